@@ -1,0 +1,72 @@
+"""Tiny random-weight models (Qwen2 and Llama layouts) with a small byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def greet(name):\n    print('hello ' + name)\n",
+    "for i in range(10):\n    total += i * i\n",
+    "The quick brown fox jumps over the lazy dog.\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 20
+
+
+def build_tokenizer(directory: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", layers: int = 2) -> Path:
+    """Save a random-weight causal LM plus tokenizer as a Hugging Face safetensors directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    config_class = Qwen2Config if model_type == "qwen2" else LlamaConfig
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=model_type == "llama",
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # default init is too flat to give interesting distributions
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_dir(tmp_path_factory) -> Path:
+    """Same tokenizer, unrelated weights: a drafter that is almost never right."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-other"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=2, model_type="llama")

@@ -1,0 +1,136 @@
+"""Command line: `verispec generate` and `verispec models`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from verispec.models.catalog import CATALOG, ModelNotInstalledError, is_installed
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF directory")
+    gen.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("--k", type=_non_negative_int, default=5, help="draft tokens per step")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument(
+        "--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantization of the draft model (lossless: only acceptance changes)",
+    )
+    gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+
+    commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
+    return parser
+
+
+def cmd_models() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from verispec.models.loading import cache_root, is_cached
+
+    table = Table(title=f"verispec models (cache: {cache_root()})")
+    for column in ("name", "description", "installed", "cached", "install with"):
+        table.add_column(column, overflow="fold")
+    for entry in CATALOG.values():
+        installed = is_installed(entry)
+        table.add_row(
+            entry.name, entry.description, "yes" if installed else "no",
+            "yes" if is_cached(entry.name) else "no", "" if installed else entry.pip_install,
+        )
+    Console().print(table)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from verispec import GenerationConfig, SamplingParams, SpeculativeEngine, load_draft_model, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    plain = args.draft.lower() == "none" or args.k == 0
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+        stop_strings=tuple(args.stop), k=0 if plain else args.k,
+    )
+    progress = not args.json and sys.stderr.isatty()
+    target = load_model(args.target, args.dtype, progress=progress)
+    drafter = None if plain else load_draft_model(args.draft, target, args.dtype, args.draft_quantize, progress)
+    if args.chat:
+        prompt = target.apply_chat_template(prompt)
+    stream = SpeculativeEngine(target, drafter).stream(prompt, config)
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = stream.result
+    stats = result.stats
+    if args.json:
+        payload = {
+            "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+            "target": args.target, "draft": None if plain else args.draft, "stats": stats.to_dict(),
+        }
+        print(json.dumps(payload))
+    else:
+        print(file=sys.stdout)
+        print(
+            f"[{stats.new_tokens} tokens in {stats.total_seconds:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
+            f"{stats.target_forwards} target forwards, {stats.mean_tokens_per_target_forward:.2f} tokens/forward, "
+            f"acceptance {stats.acceptance_rate:.0%}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            return cmd_models()
+        return cmd_generate(args)
+    except (ModelNotInstalledError, ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"verispec: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

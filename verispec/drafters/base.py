@@ -1,0 +1,39 @@
+"""The drafter interface: propose up to k next tokens, each with the distribution it was drawn from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from verispec.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    token_ids: torch.Tensor  # (1, k) proposed continuation, k may be smaller than asked (even 0)
+    probs: torch.Tensor | None  # (1, k, V) q over the target's full vocabulary; None = point masses
+    forwards: int = 0  # draft model forward passes spent on this proposal
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[1]
+
+
+class Drafter(Protocol):
+    """Proposes only the draft, never the context, and keeps whatever state it needs in sync itself.
+
+    `tokens` is the whole committed sequence (prompt and generated so far). Between calls the
+    engine may have rejected any suffix of the previous proposal; the drafter detects that by
+    comparing with what it saw last time, so no separate rollback call is needed.
+    """
+
+    def begin(self, prompt_ids: list[int], max_length: int) -> None:
+        """Start a new request of at most max_length tokens in all (prefill what the drafter caches)."""
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """Up to k tokens to follow `tokens`."""
+        ...

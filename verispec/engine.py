@@ -1,0 +1,168 @@
+"""The speculative decoding loop: draft, verify in one target forward, accept/reject, commit.
+
+Target cache invariant: it holds the committed tokens except the newest one (the "pending"
+token). Each step feeds [pending, d_1 .. d_k] to the target, which yields the k + 1
+distributions p_1 .. p_{k+1} that `verify` needs. With no drafter (k = 0) the same step is plain
+autoregressive decoding, through the same model code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.models.loading import LoadedModel
+from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.stats import GenerationStats
+from verispec.stopping import TextAssembler
+from verispec.verify import verify
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0  # with the same seed and settings, the same output
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
+    k: int = 4  # draft tokens per step (ignored without a drafter)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k < 0:
+            raise ValueError(f"k (draft tokens per step) must be >= 0, got {self.k}")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids only (an end-of-sequence id is kept when it ended the text)
+    stats: GenerationStats
+    finish_reason: str  # "stop" (eos or stop string) or "length"
+
+
+@dataclass
+class _Step:
+    token_ids: list[int]  # tokens committed by this step, in order
+
+
+class SpeculativeEngine:
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
+        stream = self.stream(prompt, config)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig()) -> "TextStream":
+        """An iterator of text deltas; its `result` holds the full result once exhausted."""
+        prompt_ids = self.target.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        limit = self.target.model.config.max_position_embeddings
+        if len(prompt_ids) + config.max_new_tokens + config.k + 1 > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds "
+                f"the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        return TextStream(self, prompt_ids, config)
+
+    def _steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[_Step]:
+        target = self.target.model
+        k = config.k if self.drafter is not None else 0
+        params = config.sampling
+        generator = torch.Generator().manual_seed(config.seed)
+        max_length = len(prompt_ids) + config.max_new_tokens + k + 1
+        cache = target.new_cache(1, max_length)
+        tokens = list(prompt_ids)  # every committed token; the last one is pending
+
+        # 0. Prefill: all prompt tokens but the last go into both caches.
+        started = time.perf_counter()
+        if len(prompt_ids) > 1:
+            target.forward(torch.tensor([prompt_ids[:-1]]), cache, last_only=True)
+            cache.commit(len(prompt_ids) - 1)
+        if self.drafter is not None:
+            self.drafter.begin(prompt_ids, max_length)
+        stats.prefill_seconds += time.perf_counter() - started
+
+        while True:
+            # 1. Draft up to k tokens after everything committed.
+            started = time.perf_counter()
+            if k > 0:
+                proposal = self.drafter.propose(tokens, k, params, generator)
+            else:
+                proposal = Proposal(torch.empty(1, 0, dtype=torch.long), None)
+            drafted = proposal.num_tokens
+            stats.draft_forwards += proposal.forwards
+            verifying = time.perf_counter()
+            stats.draft_seconds += verifying - started
+
+            # 2. Verify: one target forward over the pending token and the drafts.
+            inputs = torch.cat([torch.tensor([[tokens[-1]]]), proposal.token_ids], dim=1)  # (1, 1 + k)
+            logits = target.forward(inputs, cache)  # (1, 1 + k, V)
+            p = logits_to_probs(logits, params)  # (1, 1 + k, V)
+
+            # 3. Accept/reject: accepted drafts, then one recovered or bonus token.
+            result = verify(proposal.token_ids, proposal.probs, p, generator)
+            num_accepted = int(result.num_accepted[0])
+            new_tokens = result.token_ids[0, : num_accepted + 1].tolist()
+
+            # 4. Commit the pending token and the accepted drafts; rejected slots are just not kept.
+            cache.commit(1 + num_accepted)
+            tokens.extend(new_tokens)
+            stats.record_step(drafted, num_accepted)
+            stats.verify_seconds += time.perf_counter() - verifying
+            yield _Step(new_tokens)
+
+
+class TextStream:
+    """Iterates text deltas of one request; stops on eos ids, stop strings or max_new_tokens."""
+
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], config: GenerationConfig) -> None:
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.result: GenerationResult | None = None
+        self._iterator = self._run()
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def _run(self) -> Iterator[str]:
+        config = self.config
+        target = self.engine.target
+        eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
+        text = TextAssembler(target.decode, config.stop_strings)
+        finish_reason = "length"
+        started = time.perf_counter()
+        # 5. Stop checks after each step: eos id, max_new_tokens, stop strings.
+        for step in self.engine._steps(self.prompt_ids, config, self.stats):
+            kept = step.token_ids[: config.max_new_tokens - len(text.token_ids)]
+            eos_at = next((i for i, t in enumerate(kept) if t in eos), None)
+            if eos_at is not None:
+                kept = kept[: eos_at + 1]
+                finish_reason = "stop"
+            text.add(kept)
+            if text.stopped:
+                finish_reason = "stop"
+            done = eos_at is not None or text.stopped or len(text.token_ids) >= config.max_new_tokens
+            delta = text.release(final=done)
+            if delta:
+                yield delta
+            if done:
+                break
+        self.stats.new_tokens = len(text.token_ids)
+        self.stats.total_seconds = time.perf_counter() - started
+        self.result = GenerationResult(text.text, list(text.token_ids), self.stats, finish_reason)

@@ -1,0 +1,67 @@
+"""Preallocated key/value cache.
+
+Invariant: for each sequence b, slots [0, lengths[b]) hold exactly the keys and values of the
+committed tokens of b, in order; everything at or after lengths[b] is scratch. A forward pass
+writes its new tokens at slots lengths[b] ... lengths[b] + T - 1 without moving `lengths`;
+`commit` then keeps a prefix of them. Rolling back rejected tokens is therefore O(1): they are
+simply never committed, and the next forward overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]  # (B, H_kv, S, D)
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]  # (B, H_kv, S, D)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # (B,) committed tokens per row
+        self.capacity = capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys/values after each row's committed prefix.
+
+        keys, values: (B, H_kv, T, D). Returns views over slots [0, max(lengths) + T), (B, H_kv, S', D).
+        """
+        num_new = keys.shape[2]
+        end = int(self.lengths.max()) + num_new
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > capacity {self.capacity}")
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        if bool((self.lengths == self.lengths[0]).all()):
+            start = int(self.lengths[0])
+            k_cache[:, :, start:end] = keys
+            v_cache[:, :, start:end] = values
+        else:
+            slots = self.lengths[:, None] + torch.arange(num_new)  # (B, T)
+            rows = torch.arange(self.batch_size)[:, None]  # (B, 1)
+            k_cache[rows, :, slots] = keys.transpose(1, 2)  # indexed view is (B, T, H_kv, D)
+            v_cache[rows, :, slots] = values.transpose(1, 2)
+        return k_cache[:, :, :end], v_cache[:, :, :end]
+
+    def commit(self, num_tokens: torch.Tensor | int) -> None:
+        """Append the first num_tokens[b] tokens written by the last forward to row b's prefix."""
+        self.lengths += num_tokens
+        if int(self.lengths.max()) > self.capacity:
+            raise RuntimeError("committed past the KV cache capacity")
+
+    def truncate(self, lengths: torch.Tensor | int) -> None:
+        """Roll rows back to their first `lengths` committed tokens (O(1): nothing is copied)."""
+        new = torch.as_tensor(lengths, dtype=torch.long).expand_as(self.lengths)
+        if bool((new > self.lengths).any()):
+            raise ValueError("truncate can only shorten the committed prefix")
+        self.lengths = new.clone()

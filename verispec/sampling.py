@@ -1,0 +1,108 @@
+"""Logits -> probabilities, and drawing tokens from them.
+
+`logits_to_probs` is the one place where sampling settings turn scores into a distribution.
+Every path calls it with the same `SamplingParams`: the drafter (q), the target (p) and the
+bonus token. Speculative decoding is lossless only with respect to the distribution the target
+path actually samples from, so the draft and target must be shaped by the same code.
+
+Filters run in a fixed order: temperature, top-k, top-p, min-p, then one softmax. Each filter
+sees the distribution left by the ones before it. Greedy decoding (temperature 0) skips them all
+and returns a one-hot row at the argmax. Verification then compares one-hot targets instead of
+running a ratio test on a softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (one-hot at the argmax); otherwise logits are divided by it
+    top_k: int = 0  # keep the k highest-scoring tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest head of tokens whose probability mass reaches top_p; 1 = off
+    min_p: float = 0.0  # drop tokens with probability < min_p * (largest probability); 0 = off
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn raw scores (..., V) into the float32 distribution (..., V) that decoding samples from.
+
+    Greedy gives a one-hot row at torch.argmax (ties go to the lowest index). Otherwise the
+    filters run in the order temperature, top-k, top-p, min-p, and a softmax follows. A token a
+    filter removes gets probability exactly 0. The top token always survives, so no row is empty.
+    """
+    if params.greedy:
+        return _one_hot_argmax(logits)  # (..., V)
+    scores = logits.float() / params.temperature  # (..., V)
+    scores = _top_k(scores, params.top_k)  # (..., V)
+    scores = _top_p(scores, params.top_p)  # (..., V)
+    scores = _min_p(scores, params.min_p)  # (..., V)
+    return torch.softmax(scores, dim=-1)  # (..., V)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token id per row of probs (B, V) -> (B,). Also accepts any leading shape (..., V) -> (...).
+
+    Uses only the given generator. With generator=None it uses torch's global RNG.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
+    ids = torch.multinomial(flat, 1, generator=generator)  # (N, 1)
+    return ids.reshape(probs.shape[:-1])  # (...)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """One-hot float32 rows (..., V) at the first maximum of each row."""
+    best = logits.argmax(dim=-1)  # (...)
+    return torch.nn.functional.one_hot(best, logits.shape[-1]).float()  # (..., V)
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask (set to -inf) everything below the k-th largest score. Ties with the k-th are kept."""
+    if k == 0 or k >= scores.shape[-1]:
+        return scores
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # (..., 1)
+    return scores.masked_fill(scores < kth, float("-inf"))  # (..., V)
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose total probability is >= top_p.
+
+    A token is kept when the mass of the tokens ranked above it is still < top_p. So the top
+    token is always kept, and so is the token whose mass first reaches top_p. Tied scores rank
+    by lower index first, as in greedy's argmax.
+    """
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)  # (..., V), (..., V)
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)  # (..., V)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # (..., V) mass of strictly higher-ranked tokens
+    drop_sorted = mass_above >= top_p  # (..., V)
+    drop_sorted[..., 0] = False  # the top token survives even if rounding says otherwise
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # (..., V) back in vocabulary order
+    return scores.masked_fill(drop, float("-inf"))  # (..., V)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's largest probability."""
+    if min_p <= 0.0:
+        return scores
+    probs = torch.softmax(scores, dim=-1)  # (..., V)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (..., 1)
+    return scores.masked_fill(probs < threshold, float("-inf"))  # (..., V)

@@ -1,0 +1,66 @@
+"""Per-request statistics, returned as data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # tokens returned to the caller (after stop handling)
+    target_forwards: int = 0  # decode-time target forwards (one per step; prefill not counted)
+    draft_forwards: int = 0  # draft model forwards, prefill not counted
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
+    prefill_seconds: float = 0.0  # target and draft prompt processing
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target forward, accept/reject and commit
+    total_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_tokens_per_target_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode = self.total_seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+        while len(self.drafted_by_position) < num_drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for position in range(num_drafted):
+            self.drafted_by_position[position] += 1
+            if position < num_accepted:
+                self.accepted_by_position[position] += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        self.target_forwards += 1
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for name in (
+            "acceptance_rate",
+            "mean_tokens_per_target_forward",
+            "acceptance_by_position",
+            "tokens_per_second",
+            "decode_tokens_per_second",
+        ):
+            data[name] = getattr(self, name)
+        return data
