@@ -96,8 +96,10 @@ class SpeculativeEngine:
         while True:
             # 1. Draft up to k tokens after everything committed.
             started = time.perf_counter()
-            if k > 0:
-                proposal = self.drafter.propose(tokens, k, params, generator)
+            remaining = config.max_new_tokens - (len(tokens) - len(prompt_ids))
+            k_step = min(k, remaining - 1)  # drafts past max_new_tokens would be thrown away
+            if k_step > 0:
+                proposal = self.drafter.propose(tokens, k_step, params, generator)
             else:
                 proposal = Proposal(torch.empty(1, 0, dtype=torch.long), None)
             drafted = proposal.num_tokens
@@ -132,19 +134,32 @@ class TextStream:
         self.config = config
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.result: GenerationResult | None = None
+        self._text = TextAssembler(engine.target.decode, config.stop_strings)
         self._iterator = self._run()
 
     def __iter__(self) -> "TextStream":
         return self
 
     def __next__(self) -> str:
-        return next(self._iterator)
+        while True:
+            delta = next(self._iterator)
+            if delta:
+                return delta
+
+    def steps(self) -> Iterator[str]:
+        """One item per engine step: the text released by that step, possibly empty."""
+        return self._iterator
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens generated so far."""
+        return list(self._text.token_ids)
 
     def _run(self) -> Iterator[str]:
         config = self.config
         target = self.engine.target
         eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
-        text = TextAssembler(target.decode, config.stop_strings)
+        text = self._text
         finish_reason = "length"
         started = time.perf_counter()
         # 5. Stop checks after each step: eos id, max_new_tokens, stop strings.
@@ -158,11 +173,13 @@ class TextStream:
             if text.stopped:
                 finish_reason = "stop"
             done = eos_at is not None or text.stopped or len(text.token_ids) >= config.max_new_tokens
-            delta = text.release(final=done)
-            if delta:
-                yield delta
             if done:
-                break
-        self.stats.new_tokens = len(text.token_ids)
+                self._finish(finish_reason, started)
+            yield text.release(final=done)
+            if done:
+                return
+
+    def _finish(self, finish_reason: str, started: float) -> None:
+        self.stats.new_tokens = len(self._text.token_ids)
         self.stats.total_seconds = time.perf_counter() - started
-        self.result = GenerationResult(text.text, list(text.token_ids), self.stats, finish_reason)
+        self.result = GenerationResult(self._text.text, list(self._text.token_ids), self.stats, finish_reason)

@@ -207,29 +207,27 @@ def load_model(
     converted into the cache the first time; later loads read the cache.
     """
     torch_dtype = resolve_dtype(dtype)
-    spec_str = str(spec)
-    extra_eos: tuple[int, ...] = ()
-    if spec_str in CATALOG:
-        entry = CATALOG[spec_str]
-        directory = prepare_catalog_model(entry, progress)
-        extra_eos = entry.extra_eos_token_ids
-        name = entry.name
-    else:
-        path = Path(spec_str).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {spec_str!r} is neither a catalog name ({', '.join(CATALOG)}) nor an existing "
-                "file or directory"
-            )
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a model directory")
-            directory = prepare_gguf_file(path, progress)
-        else:
-            directory = path
-        name = path.name
+    name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
     config = ModelConfig.from_dir(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = Transformer(config, read_safetensors_dir(directory), torch_dtype)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory)
+
+
+def resolve_model(spec: str | Path, progress: bool = False) -> tuple[str, Path, tuple[int, ...]]:
+    """(name, safetensors directory, extra eos ids) for a catalog name, .gguf file or directory."""
+    spec_str = str(spec)
+    if spec_str in CATALOG:
+        entry = CATALOG[spec_str]
+        return entry.name, prepare_catalog_model(entry, progress), entry.extra_eos_token_ids
+    path = Path(spec_str).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {spec_str!r} is neither a catalog name ({', '.join(CATALOG)}) nor an existing file or directory"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a model directory")
+        return path.name, prepare_gguf_file(path, progress), ()
+    return path.name, path, ()

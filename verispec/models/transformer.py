@@ -15,6 +15,9 @@ from verispec.models.config import ModelConfig
 from verispec.models.kv_cache import KVCache
 
 
+INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
+
+
 class Linear:
     """y = x W^T + b, with W stored in the compute dtype or as int8 rows with per-row scales."""
 
@@ -121,16 +124,20 @@ class Transformer:
         self.lm_head = Linear(self.lm_head.weight[token_ids].contiguous())
 
     def quantize(self, bits: int) -> None:
-        """Weight-only int8 or int4 for every matmul: only for drafters, the target stays exact."""
+        """Weight-only int8 or int4 for every matmul: only for drafters, the target stays exact.
+
+        A matmul whose shape the int4 kernel cannot tile stays in bfloat16.
+        """
         if self.dtype != torch.bfloat16:
             raise ValueError("weight-only quantization runs with bfloat16 activations")
+        if bits not in (4, 8):
+            raise ValueError(f"quantization to {bits} bits is not supported (use 4 or 8)")
         for linear in self._linears():
+            out_features, in_features = linear.weight.shape
             if bits == 8:
                 linear.quantize_int8()
-            elif bits == 4:
-                linear.quantize_int4()
-            else:
-                raise ValueError(f"quantization to {bits} bits is not supported (use 4 or 8)")
+            elif out_features % 16 == 0 and in_features % INT4_GROUP_SIZE == 0:  # the int4 kernel's tiling
+                linear.quantize_int4(INT4_GROUP_SIZE)
 
     def _linears(self) -> list[Linear]:
         per_layer = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]

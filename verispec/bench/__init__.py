@@ -1,0 +1,1 @@
+"""`verispec bench`: workloads, modes, runner and report."""

@@ -1,0 +1,162 @@
+"""`verispec bench`: every mode on the same prompts, interleaved; table, results.json, report.md, plots."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shlex
+from pathlib import Path
+
+import torch
+
+MODES = ("plain", "spec", "hf-plain", "hf-assisted")
+
+
+def parse_k_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1, got {text!r}")
+    return values
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
+    parser.add_argument("--modes", type=parse_modes, default=["plain", "spec"], help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--k", type=parse_k_list, default=[5], help="draft lengths, e.g. 1,2,4,8")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts of the workload")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+
+
+def build_modes(args, target, console) -> list:
+    from verispec.bench.modes import EngineMode, HuggingFaceMode
+    from verispec.drafters import load_draft_model
+    from verispec.engine import SpeculativeEngine
+    from verispec.models.loading import resolve_model
+
+    modes = []
+    if "plain" in args.modes:
+        modes.append(EngineMode("plain", SpeculativeEngine(target), 0))
+    if "spec" in args.modes:
+        drafter = load_draft_model(args.draft, target, args.dtype, args.draft_quantize, progress=True)
+        engine = SpeculativeEngine(target, drafter)
+        modes += [EngineMode(f"spec-k{k}", engine, k) for k in args.k]
+    if "hf-plain" in args.modes or "hf-assisted" in args.modes:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            console.print("[yellow]skipping hf-plain / hf-assisted: transformers is not installed (pip install transformers)")
+            return modes
+        hf_target = AutoModelForCausalLM.from_pretrained(target.directory, dtype=target.model.dtype).eval()
+        if "hf-plain" in args.modes:
+            modes.append(HuggingFaceMode("hf-plain", hf_target, target.tokenizer, target.eos_token_ids))
+        if "hf-assisted" in args.modes:
+            _, draft_dir, _ = resolve_model(args.draft, progress=True)
+            hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=target.model.dtype).eval()
+            modes.append(HuggingFaceMode("hf-assisted", hf_target, target.tokenizer, target.eos_token_ids, hf_draft))
+            modes += [
+                HuggingFaceMode(f"hf-assisted-k{k}", hf_target, target.tokenizer, target.eos_token_ids, hf_draft, k)
+                for k in args.k
+            ]
+    return modes
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
+    from verispec.bench.runner import run_all, summarize_mode
+    from verispec.bench.workloads import load_workload
+    from verispec.compare import machine_description
+    from verispec.engine import GenerationConfig
+    from verispec.models.loading import load_model
+    from verispec.sampling import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    prompts = load_workload(args.workload, args.limit)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=args.temperature), seed=args.seed
+    )
+    target = load_model(args.target, args.dtype, progress=True)
+    modes = build_modes(args, target, console)
+    if "plain" not in [m.name for m in modes]:
+        from verispec.bench.modes import EngineMode
+        from verispec.engine import SpeculativeEngine
+
+        modes.insert(0, EngineMode("plain", SpeculativeEngine(target), 0))  # the baseline every speedup needs
+
+    def render(prompt: dict) -> str:
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        return target.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+
+    warmup = GenerationConfig(max_new_tokens=8, sampling=config.sampling)
+    for mode in modes:
+        mode.run(render(prompts[0]), warmup)
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=console, transient=True,
+    ) as progress:
+        task = progress.add_task(f"bench {args.workload}", total=len(prompts) * len(modes))
+        results = run_all(
+            modes, prompts, config, render, lambda text: len(target.encode(text)),
+            on_run=lambda prompt_id, mode: progress.update(task, advance=1, description=f"{prompt_id} {mode}"),
+        )
+
+    greedy = config.sampling.greedy
+    summaries = [summarize_mode(results, m.name, "plain", greedy) for m in modes]
+    table = Table(title=f"{args.workload}: {len(prompts)} prompts, {target.model.dtype}, {torch.get_num_threads()} threads")
+    for column in COLUMNS:
+        table.add_column(column, justify="right", overflow="fold")
+    for summary in summaries:
+        table.add_row(*cells(summary))
+    Console().print(table)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine = machine_description()
+    machine["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    meta = {
+        "command": "verispec " + shlex.join(args.argv),
+        "machine": machine,
+        "workload": args.workload,
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": str(target.model.dtype).replace("torch.", ""),
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "draft_quantize": args.draft_quantize,
+        "note": "peak_rss_gib is for the whole process: all modes share it",
+    }
+    write_results(args.out, meta, summaries, results)
+    plots = plot(args.out, summaries, results)
+    (args.out / "report.md").write_text(markdown(meta, summaries, results, plots))
+    console.print(f"wrote {args.out}/results.json, report.md and {len(plots)} plots")
+    return 0

@@ -1,0 +1,158 @@
+"""Benchmark outputs: results.json (every raw figure), report.md and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from verispec.bench.runner import PromptRuns
+
+COLUMNS = [
+    "mode", "tok/s", "decode tok/s (med)", "TTFT s (med)", "latency p50/p95 ms",
+    "speedup (geomean, 95% CI)", "accept", "tok/fwd", "same as plain",
+]
+
+
+def _fmt(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def cells(summary: dict) -> list[str]:
+    """One table row of a mode's summary, in COLUMNS order."""
+    low, high = summary["speedup_ci95"]
+    return [
+        summary["mode"],
+        f"{summary['tokens_per_second']:.2f}",
+        f"{summary['decode_tokens_per_second_median']:.2f}",
+        f"{summary['ttft_median']:.2f}",
+        f"{summary['latency_p50'] * 1000:.0f} / {summary['latency_p95'] * 1000:.0f}",
+        f"{summary['speedup_geomean']:.2f}x [{low:.2f}, {high:.2f}]",
+        _fmt(summary.get("acceptance_rate"), "{:.0%}"),
+        _fmt(summary.get("mean_tokens_per_target_forward"), "{:.2f}"),
+        _fmt(summary.get("identical_to_baseline"), "{:.0%}"),
+    ]
+
+
+def raw_record(results: list[PromptRuns]) -> list[dict]:
+    return [
+        {
+            "prompt_id": r.prompt_id,
+            "prompt_tokens": r.prompt_tokens,
+            "runs": {
+                name: {
+                    "token_ids": run.token_ids,
+                    "seconds": run.seconds,
+                    "ttft": run.ttft,
+                    "tokens_per_second": run.tokens_per_second,
+                    "decode_tokens_per_second": run.decode_tokens_per_second,
+                    "token_times": run.token_times,
+                    "stats": run.stats,
+                }
+                for name, run in r.runs.items()
+            },
+        }
+        for r in results
+    ]
+
+
+def write_results(out: Path, meta: dict, summaries: list[dict], results: list[PromptRuns]) -> None:
+    record = {**meta, "summary": summaries, "prompts": raw_record(results)}
+    (out / "results.json").write_text(json.dumps(record, indent=1))
+
+
+def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots: list[str]) -> str:
+    header = "| " + " | ".join(COLUMNS) + " |"
+    rule = "|" + "---|" * len(COLUMNS)
+    rows = ["| " + " | ".join(cells(s)) + " |" for s in summaries]
+    machine = meta["machine"]
+    lines = [
+        f"# verispec bench: {meta['workload']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+        f"Python {machine['python']}, peak RSS {machine.get('peak_rss_gib', 0):.1f} GiB.",
+        f"Target `{meta['target']}`, draft `{meta['draft']}`, dtype {meta['dtype']}, "
+        f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens max, temperature {meta['temperature']}.",
+        "Modes run interleaved on each prompt (order rotated per prompt). Speedup: per-prompt ratio of "
+        "end-to-end tokens/s to `plain`, geometric mean with a 95% bootstrap interval over prompts.",
+        "",
+        header,
+        rule,
+        *rows,
+        "",
+    ]
+    spec = [s for s in summaries if s.get("acceptance_by_position")]
+    if spec:
+        lines += ["Acceptance by draft position:", ""]
+        for s in spec:
+            lines.append(f"- {s['mode']}: " + ", ".join(f"{a:.0%}" for a in s["acceptance_by_position"]))
+        lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    lines += ["", "Per prompt (end-to-end tokens/s):", ""]
+    modes = [s["mode"] for s in summaries]
+    lines += ["| prompt | " + " | ".join(modes) + " |", "|" + "---|" * (len(modes) + 1)]
+    for r in results:
+        lines.append(f"| {r.prompt_id} | " + " | ".join(f"{r.runs[m].tokens_per_second:.2f}" for m in modes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[str]:
+    """Speedup by mode, tokens/s per prompt, acceptance by position, speedup against k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    modes = [s["mode"] for s in summaries]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    speedups = [s["speedup_geomean"] for s in summaries]
+    errors = [[s["speedup_geomean"] - s["speedup_ci95"][0] for s in summaries],
+              [s["speedup_ci95"][1] - s["speedup_geomean"] for s in summaries]]
+    ax.bar(modes, speedups, yerr=errors, capsize=4, color="tab:blue")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over plain (geomean, 95% CI)")
+    ax.tick_params(axis="x", rotation=30)
+    files.append(_save(fig, out, "speedup_by_mode.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode in modes:
+        ax.plot(range(len(results)), [r.runs[mode].tokens_per_second for r in results], marker="o", markersize=3, label=mode)
+    ax.set_xlabel("prompt")
+    ax.set_ylabel("tokens/s (end to end)")
+    ax.legend(fontsize=8)
+    files.append(_save(fig, out, "tokens_per_second_per_prompt.png"))
+
+    spec = [s for s in summaries if s.get("acceptance_by_position")]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for s in spec:
+            positions = range(1, len(s["acceptance_by_position"]) + 1)
+            ax.plot(positions, s["acceptance_by_position"], marker="o", label=s["mode"])
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate (given reached)")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+        files.append(_save(fig, out, "acceptance_by_position.png"))
+
+    by_k = sorted((int(m.group(1)), s["speedup_geomean"]) for s in summaries if (m := re.fullmatch(r"spec-k(\d+)", s["mode"])))
+    if len(by_k) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([k for k, _ in by_k], [v for _, v in by_k], marker="o")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_ylabel("speedup over plain")
+        files.append(_save(fig, out, "speedup_vs_k.png"))
+    return files
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
