@@ -13,7 +13,7 @@ import torch
 
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.cli import main
-from verispec.compare import humaneval_prompts
+from verispec.bench.workloads import humaneval as humaneval_prompts
 
 pytestmark = pytest.mark.real
 
@@ -64,7 +64,7 @@ def test_bfloat16_int4_drafter_is_lossless_against_bf16_plain():
     """Quantizing the draft changes acceptance only; the bf16 target decides every token."""
     target = load_model(TARGET, "bfloat16")
     drafter = load_draft_model(DRAFT, target, "bfloat16", quantize="int4")
-    prompt = humaneval_prompts(1)[0]["prompt"]
+    prompt = humaneval_prompts()[0]["prompt"]
     result = SpeculativeEngine(target, drafter).generate(prompt, GenerationConfig(max_new_tokens=24, k=4))
     assert result.stats.acceptance_rate > 0.5
     assert len(result.token_ids) == 24

@@ -55,103 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
 
-    cmp = commands.add_parser("compare", help="plain vs speculative decoding on HumanEval prompts, side by side")
-    cmp.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    cmp.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    cmp.add_argument("--limit", type=_positive_int, default=5, help="number of HumanEval prompts")
-    cmp.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    cmp.add_argument("--k", type=_positive_int, default=5)
-    cmp.add_argument("--temperature", type=float, default=0.0)
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    cmp.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"])
-    cmp.add_argument("--threads", type=_positive_int, default=None)
-    cmp.add_argument("--out", type=Path, default=None, help="write results.json and report.md here")
-
     from verispec.bench.command import add_arguments
 
     add_arguments(commands.add_parser("bench", help="measure plain vs speculative decoding (and peers) on a workload"))
     commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
     return parser
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
-    from verispec import GenerationConfig, SamplingParams, SpeculativeEngine, load_draft_model, load_model
-    from verispec.compare import compare, humaneval_prompts, machine_description, summarize
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console(stderr=True)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=args.temperature),
-        seed=args.seed, k=args.k,
-    )
-    console.print(f"loading {args.target} and {args.draft} ...")
-    target = load_model(args.target, args.dtype, progress=True)
-    drafter = load_draft_model(args.draft, target, args.dtype, args.draft_quantize, progress=True)
-    prompts = humaneval_prompts(args.limit)
-    plain, spec = SpeculativeEngine(target), SpeculativeEngine(target, drafter)
-    plain.generate(prompts[0]["prompt"], GenerationConfig(max_new_tokens=8, k=0))  # warm up both paths
-    spec.generate(prompts[0]["prompt"], GenerationConfig(max_new_tokens=8, k=args.k))
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("plain vs speculative", total=len(prompts))
-        results = compare(plain, spec, prompts, config, on_result=lambda r: progress.advance(task))
-    summary = summarize(results)
-
-    table = Table(title=f"{args.target} + {args.draft}, k={args.k}, {target.model.dtype}, "
-                        f"{torch.get_num_threads()} threads, {args.max_new_tokens} new tokens")
-    for column in ("prompt", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/fwd", "same"):
-        table.add_column(column, justify="right")
-    for r in results:
-        s = r.spec.stats
-        table.add_row(r.prompt_id, f"{r.plain.stats.tokens_per_second:.2f}", f"{s.tokens_per_second:.2f}",
-                      f"{r.speedup:.2f}x", f"{s.acceptance_rate:.0%}", f"{s.mean_tokens_per_target_forward:.2f}",
-                      "yes" if r.identical else "no")
-    table.add_row("all", f"{summary['plain_tokens_per_second']:.2f}", f"{summary['spec_tokens_per_second']:.2f}",
-                  f"{summary['speedup_total']:.2f}x", f"{summary['acceptance_rate']:.0%}",
-                  f"{summary['mean_tokens_per_target_forward']:.2f}",
-                  f"{summary['identical_outputs']}/{summary['prompts']}", style="bold")
-    Console().print(table)
-    Console().print(
-        f"plain {summary['plain_tokens_per_second']:.2f} tok/s, speculative {summary['spec_tokens_per_second']:.2f} "
-        f"tok/s: {summary['speedup_total']:.2f}x (median per prompt {summary['speedup_median']:.2f}x), "
-        f"acceptance rate {summary['acceptance_rate']:.0%}"
-    )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        command = "verispec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("verispec") else " ".join(sys.argv)
-        record = {
-            "command": command, "machine": machine_description(), "summary": summary,
-            "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
-            "prompts": [r.to_dict() for r in results],
-        }
-        (args.out / "results.json").write_text(json.dumps(record, indent=1))
-        console.print(f"wrote {args.out / 'results.json'}")
-    return 0
-
-
-def cmd_models() -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from verispec.models.loading import cache_root, is_cached
-
-    table = Table(title=f"verispec models (cache: {cache_root()})")
-    table.add_column("name", no_wrap=True)
-    for column in ("description", "installed", "cached", "install with"):
-        table.add_column(column, overflow="fold")
-    for entry in CATALOG.values():
-        installed = is_installed(entry)
-        table.add_row(
-            entry.name, entry.description, "yes" if installed else "no",
-            "yes" if is_cached(entry.name) else "no", "" if installed else entry.pip_install,
-        )
-    Console().print(table)
-    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -201,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return cmd_models()
-        if args.command == "compare":
-            return cmd_compare(args)
         if args.command == "bench":
             from verispec.bench.command import run_bench
 

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
     parser.add_argument("--modes", type=parse_modes, default=["plain", "spec"], help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--k", type=parse_k_list, default=[5], help="draft lengths, e.g. 1,2,4,8")
+    parser.add_argument("--hf-k", type=parse_k_list, default=None, help="constant draft lengths for hf-assisted (default: --k)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -74,7 +75,7 @@ def build_modes(args, target, console) -> list:
             modes.append(HuggingFaceMode("hf-assisted", hf_target, target.tokenizer, target.eos_token_ids, hf_draft))
             modes += [
                 HuggingFaceMode(f"hf-assisted-k{k}", hf_target, target.tokenizer, target.eos_token_ids, hf_draft, k)
-                for k in args.k
+                for k in (args.hf_k or args.k)
             ]
     return modes
 
@@ -87,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
-    from verispec.compare import machine_description
+    from verispec.bench.machine import machine_description
     from verispec.engine import GenerationConfig
     from verispec.models.loading import load_model
     from verispec.sampling import SamplingParams
