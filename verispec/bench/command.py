@@ -9,7 +9,14 @@ from pathlib import Path
 
 import torch
 
-MODES = ("plain", "spec", "hf-plain", "hf-assisted")
+MODES = ("plain", "spec", "lookup", "suffix", "composite", "cross", "hf-plain", "hf-assisted")
+DRAFTER_OF_MODE = {  # our speculative modes, one per drafter; each runs once per --k
+    "spec": "draft-model",
+    "lookup": "prompt-lookup",
+    "suffix": "suffix-index",
+    "composite": "composite",
+    "cross": "cross-tokenizer",
+}
 
 
 def parse_k_list(text: str) -> list[int]:
@@ -32,7 +39,9 @@ def parse_modes(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for spec and composite")
+    parser.add_argument("--cross-draft", default="smollm2-135m-instruct", help="draft model (own tokenizer) for cross")
+    parser.add_argument("--corpus", type=Path, action="append", default=[], help="files/directories for suffix")
     parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
     parser.add_argument("--modes", type=parse_modes, default=["plain", "spec"], help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--k", type=parse_k_list, default=[5], help="draft lengths, e.g. 1,2,4,8")
@@ -49,17 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_modes(args, target, console) -> list:
     from verispec.bench.modes import EngineMode, HuggingFaceMode
-    from verispec.drafters import load_draft_model
+    from verispec.drafters import make_drafter
     from verispec.engine import SpeculativeEngine
     from verispec.models.loading import resolve_model
 
     modes = []
     if "plain" in args.modes:
         modes.append(EngineMode("plain", SpeculativeEngine(target), 0))
-    if "spec" in args.modes:
-        drafter = load_draft_model(args.draft, target, args.dtype, args.draft_quantize, progress=True)
-        engine = SpeculativeEngine(target, drafter)
-        modes += [EngineMode(f"spec-k{k}", engine, k) for k in args.k]
+    for mode, kind in DRAFTER_OF_MODE.items():
+        if mode in args.modes:
+            draft = args.cross_draft if mode == "cross" else args.draft
+            drafter = make_drafter(kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True)
+            engine = SpeculativeEngine(target, drafter)
+            modes += [EngineMode(f"{mode}-k{k}", engine, k) for k in args.k]
     if "hf-plain" in args.modes or "hf-assisted" in args.modes:
         try:
             from transformers import AutoModelForCausalLM

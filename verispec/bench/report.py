@@ -138,10 +138,16 @@ def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[st
         ax.legend(fontsize=8)
         files.append(_save(fig, out, "acceptance_by_position.png"))
 
-    by_k = sorted((int(m.group(1)), s["speedup_geomean"]) for s in summaries if (m := re.fullmatch(r"spec-k(\d+)", s["mode"])))
-    if len(by_k) > 1:
+    by_k: dict[str, list[tuple[int, float]]] = {}
+    for s in summaries:
+        if match := re.fullmatch(r"(.+)-k(\d+)", s["mode"]):
+            by_k.setdefault(match.group(1), []).append((int(match.group(2)), s["speedup_geomean"]))
+    if any(len(points) > 1 for points in by_k.values()):
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([k for k, _ in by_k], [v for _, v in by_k], marker="o")
+        for family, points in by_k.items():
+            points.sort()
+            ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=family)
+        ax.legend(fontsize=8)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel("k (draft tokens per step)")
         ax.set_ylabel("speedup over plain")

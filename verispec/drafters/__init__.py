@@ -1,12 +1,20 @@
-"""Ways of proposing draft tokens. Each file is one proposer; `load_draft_model` builds the default."""
+"""Ways of proposing draft tokens. Each file is one proposer; `make_drafter` builds any of them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.composite import CompositeDrafter
+from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.prompt_lookup import PromptLookupDrafter
+from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models.loading import LoadedModel, load_model
+
+DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -16,7 +24,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(
             f"draft model {draft.name!r} has a different tokenizer from target {target.name!r}; "
-            "a draft model must share the target's vocabulary"
+            "use the cross-tokenizer drafter (--drafter cross-tokenizer) for a draft model with its own vocabulary"
         )
 
 
@@ -36,11 +44,60 @@ def load_draft_model(
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     draft = load_model(spec, dtype, progress)
     check_same_vocabulary(target, draft)
+    _quantize(draft, quantize)
+    return DraftModelDrafter(draft.model, target.model.vocab_size)
+
+
+def make_drafter(
+    kind: str,
+    target: LoadedModel,
+    draft: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    quantize: str = "auto",
+    corpus: list[Path] | None = None,
+    progress: bool = False,
+) -> Drafter | None:
+    """Build a drafter by name (see DRAFTERS); "none" means plain decoding.
+
+    draft-model: a same-tokenizer model (`draft`). prompt-lookup / suffix-index: no model
+    (suffix-index also indexes `corpus` files or directories). cross-tokenizer: a model with its own
+    tokenizer (`draft`). composite: prompt lookup first, then the draft model (same tokenizer) or the
+    cross-tokenizer model when `draft`'s tokenizer differs.
+    """
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter {kind!r} is not one of {', '.join(DRAFTERS)}")
+    if kind == "none":
+        return None
+    if kind == "prompt-lookup":
+        return PromptLookupDrafter()
+    if kind == "suffix-index":
+        if corpus:
+            return SuffixIndexDrafter.with_corpus(corpus, target.encode)
+        return SuffixIndexDrafter()
+    if draft is None or draft.lower() == "none":
+        raise ValueError(f"drafter {kind!r} needs a draft model: pass --draft NAME_OR_PATH")
+    if kind == "draft-model":
+        return load_draft_model(draft, target, dtype, quantize, progress)
+    model = load_model(draft, dtype, progress)
+    same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    if kind == "cross-tokenizer":
+        _quantize(model, quantize)
+        return CrossTokenizerDrafter(model, target)
+    _quantize(model, quantize)
+    fallback = DraftModelDrafter(model.model, target.model.vocab_size) if same_vocabulary else CrossTokenizerDrafter(model, target)
+    return CompositeDrafter([PromptLookupDrafter(), fallback])
+
+
+def _quantize(draft: LoadedModel, quantize: str) -> None:
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantize == "auto":
         quantize = "int4" if draft.model.dtype == torch.bfloat16 else "none"
     if quantize != "none":
         draft.model.quantize(4 if quantize == "int4" else 8)
-    return DraftModelDrafter(draft.model, target.model.vocab_size)
 
 
-__all__ = ["Drafter", "Proposal", "DraftModelDrafter", "load_draft_model", "check_same_vocabulary"]
+__all__ = [
+    "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
+    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "load_draft_model", "make_drafter",
+]

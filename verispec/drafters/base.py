@@ -15,6 +15,7 @@ class Proposal:
     token_ids: torch.Tensor  # (1, k) proposed continuation, k may be smaller than asked (even 0)
     probs: torch.Tensor | None  # (1, k, V) q over the target's full vocabulary; None = point masses
     forwards: int = 0  # draft model forward passes spent on this proposal
+    source: str = ""  # which drafter proposed it (a composite drafter picks one per step)
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,7 @@ class DraftModelDrafter:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         if k == 0:
-            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0)
+            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, "draft-model")
         self._sync(tokens)
         logits = self._feed(tokens[len(self.cached_tokens):])  # (V',)
         forwards = 1
@@ -95,4 +95,4 @@ class DraftModelDrafter:
                 logits = self._feed([token])
                 forwards += 1
         probs = torch.stack(draft_probs)[None] if draft_probs else None  # (1, k, V)
-        return Proposal(torch.tensor([drafted]), probs, forwards)
+        return Proposal(torch.tensor([drafted]), probs, forwards, "draft-model")

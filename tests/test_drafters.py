@@ -1,0 +1,129 @@
+"""Drafters without a same-tokenizer model: prompt lookup, suffix index, cross-tokenizer, composite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.drafters import (
+    CompositeDrafter,
+    CrossTokenizerDrafter,
+    DraftModelDrafter,
+    PromptLookupDrafter,
+    SuffixIndexDrafter,
+    make_drafter,
+)
+from verispec.drafters.prompt_lookup import find_continuation
+from verispec.drafters.suffix_index import SuffixTrie, best_continuation
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import load_model
+from verispec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+REPETITIVE = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_model(tiny_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    """Shares the test tokenizer's text but is loaded as a separate model with its own tokenizer object."""
+    return load_model(tiny_llama_dir, "float32")
+
+
+def test_find_continuation_prefers_longest_then_most_recent_match():
+    tokens = torch.tensor([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
+    assert find_continuation(tokens, 3, 1, 3) == [4, 5, 7]  # "2 3" last seen before "4 5 7"
+    assert find_continuation(torch.tensor([5, 6, 7, 8]), 3, 1, 3) == []
+    assert find_continuation(torch.tensor([1, 2, 1, 2]), 5, 2, 2) == [1, 2]  # stops at the end of the text
+
+
+def test_prompt_lookup_proposes_point_masses():
+    proposal = PromptLookupDrafter(min_ngram=2).propose([1, 2, 3, 4, 1, 2], 2, GREEDY, None)
+    assert proposal.token_ids.tolist() == [[3, 4]] and proposal.probs is None
+    empty = PromptLookupDrafter(min_ngram=2).propose([1, 2, 3, 4], 2, GREEDY, None)
+    assert empty.num_tokens == 0
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(min_ngram=3, max_ngram=2)
+
+
+def test_suffix_trie_counts_support():
+    trie = SuffixTrie(depth=4)
+    trie.add_sequence([1, 2, 3, 1, 2, 4, 1, 2, 4])
+    active = trie.follow(trie.follow([trie.root], 1), 2)
+    tokens, length = best_continuation(active, 2, 1)
+    assert length == 2 and tokens[0] == 4  # "1 2" was followed by 4 twice and by 3 once
+
+
+def test_suffix_index_drafter_grows_incrementally():
+    drafter = SuffixIndexDrafter(depth=8, min_match=2)
+    drafter.begin([], 100)
+    tokens = [7, 8, 9, 10, 11, 7, 8]
+    assert drafter.propose(tokens, 3, GREEDY, None).token_ids.tolist() == [[9, 10, 11]]
+    tokens += [9, 10, 11, 12, 7, 8]
+    assert drafter.trie.tokens_indexed == 7
+    assert drafter.propose(tokens, 2, GREEDY, None).token_ids.tolist() == [[9, 10]]
+    assert drafter.trie.tokens_indexed == len(tokens)
+
+
+def test_suffix_index_uses_a_corpus(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "a.txt").write_text("abcdefgh")
+    (tmp_path / "lib" / "blob.bin").write_bytes(b"\xff\xfe\x00")
+    drafter = SuffixIndexDrafter.with_corpus([tmp_path / "lib"], lambda text: [ord(c) for c in text], depth=6)
+    drafter.begin([], 100)
+    proposal = drafter.propose([ord(c) for c in "xxcde"], 3, GREEDY, None)
+    assert proposal.token_ids.tolist() == [[ord("f"), ord("g"), ord("h")]]
+    with pytest.raises(FileNotFoundError):
+        SuffixIndexDrafter.with_corpus([tmp_path / "missing"], list)
+
+
+def test_composite_falls_back_when_lookup_has_nothing(target):
+    model_drafter = DraftModelDrafter(target.model, target.model.vocab_size)
+    composite = CompositeDrafter([PromptLookupDrafter(), model_drafter])
+    ids = target.encode("The quick brown")
+    composite.begin(ids, 64)
+    assert composite.propose(ids, 3, GREEDY, None).source == "draft-model"
+    repeated = target.encode(REPETITIVE)
+    composite.begin(repeated, 64)
+    assert composite.propose(repeated, 3, GREEDY, None).source == "prompt-lookup"
+
+
+def greedy_config(k=4):
+    return GenerationConfig(max_new_tokens=40, k=k, eos_token_ids=())
+
+
+@pytest.mark.parametrize("kind", ["prompt-lookup", "suffix-index", "composite", "cross-tokenizer"])
+def test_every_drafter_is_lossless_greedy(target, tiny_llama_dir, kind):
+    drafter = make_drafter(kind, target, str(tiny_llama_dir) if kind in ("composite", "cross-tokenizer") else None, "float32")
+    spec = SpeculativeEngine(target, drafter)
+    plain = SpeculativeEngine(target)
+    drafted = 0
+    for prompt in (REPETITIVE, "class Point:\n    def __init__(self, x, y):\n"):
+        expected = plain.generate(prompt, greedy_config(k=0))
+        result = spec.generate(prompt, greedy_config())
+        assert result.token_ids == expected.token_ids
+        drafted += result.stats.drafted_tokens
+    assert drafted > 0  # the repetitive prompt gives even lookup something to propose
+
+
+def test_cross_tokenizer_maps_text_across_vocabularies(target, llama):
+    drafter = CrossTokenizerDrafter(llama, target)
+    ids = target.encode("def add(a, b):\n    return")
+    drafter.begin(ids, 64)
+    proposal = drafter.propose(ids, 4, GREEDY, None)
+    assert proposal.probs is None and proposal.forwards >= 1
+    draft_text = llama.tokenizer.decode(drafter.cached_ids, skip_special_tokens=True)
+    assert draft_text.startswith("def add(a, b):")  # the draft read the target's text in its own vocabulary
+    assert all(0 <= t < target.model.vocab_size for t in proposal.token_ids[0].tolist())
+
+
+def test_make_drafter_errors(target):
+    with pytest.raises(ValueError, match="not one of"):
+        make_drafter("telepathy", target)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_drafter("cross-tokenizer", target, None)
+    assert make_drafter("none", target) is None

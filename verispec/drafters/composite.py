@@ -1,0 +1,35 @@
+"""Composite: ask cheap drafters first, fall back to a draft model when they have nothing.
+
+Lookup-style drafters cost microseconds and are often right on input-grounded text (edits, RAG,
+summaries), where a draft model spends k forwards to guess the same tokens. When lookup finds no
+match, the draft model still gives good guesses on novel text. The draft model keeps its own cache
+in sync with the committed tokens, so it catches up in one forward after lookup steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Drafter, Proposal
+from verispec.sampling import SamplingParams
+
+
+class CompositeDrafter:
+    def __init__(self, drafters: list[Drafter]) -> None:
+        if not drafters:
+            raise ValueError("a composite drafter needs at least one drafter")
+        self.drafters = drafters
+
+    def begin(self, prompt_ids: list[int], max_length: int) -> None:
+        for drafter in self.drafters:
+            drafter.begin(prompt_ids, max_length)
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """The first drafter's proposal that is not empty (the last drafter's otherwise)."""
+        for drafter in self.drafters:
+            proposal = drafter.propose(tokens, k, params, generator)
+            if proposal.num_tokens > 0:
+                return proposal
+        return proposal
