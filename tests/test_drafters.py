@@ -54,7 +54,7 @@ def test_suffix_trie_counts_support():
     trie = SuffixTrie(depth=4)
     trie.add_sequence([1, 2, 3, 1, 2, 4, 1, 2, 4])
     active = trie.follow(trie.follow([trie.root], 1), 2)
-    tokens, length = best_continuation(active, 2, 1)
+    tokens, length = best_continuation(trie, active, 2, 1)
     assert length == 2 and tokens[0] == 4  # "1 2" was followed by 4 twice and by 3 once
 
 

@@ -126,8 +126,10 @@ def test_weight_quantization_stays_close(tiny_dir, bits):
     exact = load_model(tiny_dir, "bfloat16").model
     quantized = load_model(tiny_dir, "bfloat16").model
     quantized.quantize(bits)
-    ids = list(range(10, 30))
+    ids = list(range(10, 14))  # few rows: the quantized kernels (prefill-sized inputs use the dense copy)
     a, b = fresh_logits(exact, ids), fresh_logits(quantized, ids)
+    long_ids = list(range(10, 30))
+    assert torch.equal(fresh_logits(exact, long_ids), fresh_logits(quantized, long_ids))
     correlation = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
     assert correlation > (0.99 if bits == 8 else 0.9)
     assert not torch.equal(a, b)

@@ -84,7 +84,10 @@ def make_drafter(
         _quantize(model, quantize)
         return CrossTokenizerDrafter(model, target)
     _quantize(model, quantize)
-    fallback = DraftModelDrafter(model.model, target.model.vocab_size) if same_vocabulary else CrossTokenizerDrafter(model, target)
+    if same_vocabulary:
+        fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
+    else:
+        fallback = CrossTokenizerDrafter(model, target)
     return CompositeDrafter([PromptLookupDrafter(), fallback])
 
 

@@ -17,8 +17,9 @@ from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Transformer, target_vocab_size: int) -> None:
+    def __init__(self, model: Transformer, target_vocab_size: int, lazy_prefill: bool = False) -> None:
         self.model = model
+        self.lazy_prefill = lazy_prefill  # prefill on first use: a fallback drafter may never be asked
         self.target_vocab_size = target_vocab_size  # q is reported over the target's vocabulary
         self.capacity = 0
         self.cache: KVCache | None = None
@@ -28,7 +29,7 @@ class DraftModelDrafter:
         self.capacity = max_length + 1
         self.cache = self.model.new_cache(1, self.capacity)
         self.cached_tokens = []
-        if len(prompt_ids) > 1:
+        if len(prompt_ids) > 1 and not self.lazy_prefill:
             self._feed(prompt_ids[:-1], last_only=True)
 
     def _feed(self, token_ids: list[int], last_only: bool = True) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Suffix index: propose the continuation with the most support in everything seen so far.
 
 The index is a depth-bounded suffix tree (a suffix trie cut at `depth` tokens) whose nodes count
-how often their string occurred. Appending a token touches at most `depth` nodes, and a proposal
-walks at most k nodes from the deepest node already tracked for the context, so the cost per
-token stays constant however long the text grows (unlike a rescan, which is linear per step).
-Counts let a proposal follow the most frequent continuation rather than the latest one.
+how often their string occurred. Appending a token touches at most `depth` nodes, and proposing a
+token looks at most `depth` nodes, so the cost stays constant however long the text grows (unlike
+a rescan, which is linear in the text per step). Counts let a proposal follow the most frequent
+continuation of the longest matching context rather than merely the latest one.
 
 The request's own text (prompt plus generated) is indexed as it grows; a corpus the user supplies
 (files or a directory, e.g. their code base) is indexed once and shared by all requests.
@@ -65,21 +65,26 @@ class SuffixTrie:
         return grown
 
 
-def best_continuation(active: list[Node], k: int, min_match: int) -> tuple[list[int], int]:
-    """Greedy most-supported path of up to k tokens from the deepest matched suffix with a continuation.
+def best_continuation(trie: SuffixTrie, active: list[Node], k: int, min_match: int) -> tuple[list[int], int]:
+    """Up to k tokens, each the most supported successor of the longest recurring context suffix.
 
-    Returns (tokens, match length); ([], 0) when no suffix of at least min_match tokens recurs.
+    After each proposed token the context's suffixes are advanced in the trie (read-only), so a
+    proposal is not cut short by the depth bound. Returns (tokens, length of the first match);
+    ([], 0) when no suffix of at least min_match tokens has occurred with a continuation.
     """
-    for length in range(len(active) - 1, min_match - 1, -1):
-        node = active[length]
-        if not node.children:
-            continue
-        proposal: list[int] = []
-        while node.children and len(proposal) < k:
-            token, node = max(node.children.items(), key=lambda item: item[1].count)
-            proposal.append(token)
-        return proposal, length
-    return [], 0
+    proposal: list[int] = []
+    first_match = 0
+    while len(proposal) < k:
+        matched = next(
+            (length for length in range(len(active) - 1, min_match - 1, -1) if active[length].children), None
+        )
+        if matched is None:
+            break
+        first_match = first_match or matched
+        token = max(active[matched].children.items(), key=lambda item: item[1].count)[0]
+        proposal.append(token)
+        active = trie.follow(active, token)
+    return proposal, first_match
 
 
 def corpus_token_stream(paths: list[Path], encode: Callable[[str], list[int]]) -> Iterable[list[int]]:
@@ -129,10 +134,10 @@ class SuffixIndexDrafter:
             if self.corpus is not None:
                 self.corpus_active = self.corpus.follow(self.corpus_active, token)
         self.seen = len(tokens)
-        own, own_length = best_continuation(self.active, k, self.min_match)
+        own, own_length = best_continuation(self.trie, self.active, k, self.min_match)
         found = own
         if self.corpus is not None:
-            shared, shared_length = best_continuation(self.corpus_active, k, self.min_match)
+            shared, shared_length = best_continuation(self.corpus, self.corpus_active, k, self.min_match)
             if shared_length > own_length:
                 found = shared
         return Proposal(torch.tensor([found], dtype=torch.long).reshape(1, -1), None, 0, "suffix-index")

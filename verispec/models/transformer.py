@@ -16,16 +16,22 @@ from verispec.models.kv_cache import KVCache
 
 
 INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
+QUANTIZED_MAX_ROWS = 4  # above this many tokens (prefill), the dense matmul beats the int kernels
 
 
 class Linear:
-    """y = x W^T + b, with W stored in the compute dtype or as int8 rows with per-row scales."""
+    """y = x W^T + b, with W in the compute dtype, optionally also as int8 or int4 for few-row inputs.
+
+    Weight-only quantized kernels read fewer bytes per token, which is what decoding a token at a
+    time is bound by; for prefill (many rows) the dense matmul is faster, so both are kept.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # (out, in)
         self.bias = bias  # (out,) or None
         self.scales: torch.Tensor | None = None  # (out,) int8 scales, or (in/G, out, 2) int4 scales and zeros
         self.group_size = 0  # > 0 when weight is packed int4 with groups of this many inputs
+        self.dense = weight  # (out, in) unquantized copy: faster than the int kernels for many rows
 
     def quantize_int8(self) -> None:
         """Weight-only int8 with one scale per output row: halves the bytes read per token."""
@@ -48,9 +54,9 @@ class Linear:
         self.group_size = group_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scales is None:
-            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.scales is None or flat.shape[0] > QUANTIZED_MAX_ROWS:
+            return F.linear(x, self.dense, self.bias)
         if self.group_size:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group_size, self.scales)
         else:
