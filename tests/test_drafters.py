@@ -90,6 +90,8 @@ def test_composite_falls_back_when_lookup_has_nothing(target):
     repeated = target.encode(REPETITIVE)
     composite.begin(repeated, 64)
     assert composite.propose(repeated, 3, GREEDY, None).source == "prompt-lookup"
+    built = make_drafter("composite", target, str(target.directory), "float32")
+    assert [type(d).__name__ for d in built.drafters] == ["SuffixIndexDrafter", "DraftModelDrafter"]
 
 
 def greedy_config(k=4):

@@ -1,4 +1,4 @@
-"""Composite: ask cheap drafters first, fall back to a draft model when they have nothing.
+"""Composite: ask cheap lookup drafters first, fall back to a draft model when they have nothing.
 
 Lookup-style drafters cost microseconds and are often right on input-grounded text (edits, RAG,
 summaries), where a draft model spends k forwards to guess the same tokens. When lookup finds no
