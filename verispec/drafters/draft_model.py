@@ -24,11 +24,13 @@ class DraftModelDrafter:
         self.capacity = 0
         self.cache: KVCache | None = None
         self.cached_tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
+        self.known_committed = 0  # length of the committed sequence at the previous proposal
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
         self.capacity = max_length + 1
         self.cache = self.model.new_cache(1, self.capacity)
         self.cached_tokens = []
+        self.known_committed = len(prompt_ids)
         if len(prompt_ids) > 1 and not self.lazy_prefill:
             self._feed(prompt_ids[:-1], last_only=True)
 
@@ -51,10 +53,16 @@ class DraftModelDrafter:
             self._feed(tokens)
 
     def _sync(self, tokens: list[int]) -> None:
-        """Roll the cache back to the longest prefix it shares with the committed tokens."""
-        common = min(len(self.cached_tokens), len(tokens) - 1)  # the newest token is always fed
-        while common > 0 and self.cached_tokens[common - 1] != tokens[common - 1]:
-            common -= 1
+        """Roll the cache back to the longest prefix it shares with the committed tokens.
+
+        Everything before `known_committed` was committed at the previous call, so only the
+        speculative tail after it (at most k tokens) is compared.
+        """
+        limit = min(len(self.cached_tokens), len(tokens) - 1)  # the newest token is always fed
+        common = min(self.known_committed, limit)
+        while common < limit and self.cached_tokens[common] == tokens[common]:
+            common += 1
+        self.known_committed = len(tokens)
         if common < len(self.cached_tokens):
             self.cache.truncate(common)
             del self.cached_tokens[common:]
