@@ -35,7 +35,7 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
-# The committed benchmarks (see benchmarks/README.md); about an hour on 2 cores.
+# The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores.
 bench: models
 	bash benchmarks/run.sh
 

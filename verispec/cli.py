@@ -29,6 +29,10 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _k_value(text: str) -> int | str:
+    return "auto" if text == "auto" else _non_negative_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -47,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    gen.add_argument("--k", type=_non_negative_int, default=5, help="draft tokens per step")
+    gen.add_argument("--k", type=_k_value, default="auto", help="draft tokens per step, or 'auto' (default)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -129,7 +133,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{stats.new_tokens} tokens in {stats.total_seconds:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
             f"{stats.target_forwards} target forwards, {stats.mean_tokens_per_target_forward:.2f} tokens/forward, "
-            f"acceptance {stats.acceptance_rate:.0%}]",
+            f"acceptance {stats.acceptance_rate:.0%}"
+            + (f", ~{stats.counterfactual_speedup:.2f}x vs plain (estimated)" if stats.counterfactual_speedup else "")
+            + "]",
             file=sys.stderr,
         )
     return 0

@@ -16,6 +16,7 @@ import torch
 
 from verispec.drafters.base import Drafter, Proposal
 from verispec.models.loading import LoadedModel
+from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import SamplingParams, logits_to_probs
 from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
@@ -29,13 +30,20 @@ class GenerationConfig:
     seed: int = 0  # with the same seed and settings, the same output
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
-    k: int = 5  # draft tokens per step (ignored without a drafter); 5 was best on HumanEval here
+    k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
+    k_max: int = 8  # the longest draft "auto" considers
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.k < 0:
-            raise ValueError(f"k (draft tokens per step) must be >= 0, got {self.k}")
+        if self.k != "auto" and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
+            raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+
+    @property
+    def longest_draft(self) -> int:
+        return self.k_max if self.k == "auto" else self.k
 
 
 @dataclass
@@ -68,7 +76,7 @@ class SpeculativeEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         limit = self.target.model.config.max_position_embeddings
-        if len(prompt_ids) + config.max_new_tokens + config.k + 1 > limit:
+        if len(prompt_ids) + config.max_new_tokens + config.longest_draft + 1 > limit:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds "
                 f"the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
@@ -77,10 +85,14 @@ class SpeculativeEngine:
 
     def _steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[_Step]:
         target = self.target.model
-        k = config.k if self.drafter is not None else 0
+        k_longest = config.longest_draft if self.drafter is not None else 0
+        adaptive = config.k == "auto" and self.drafter is not None
+        # The controller always measures (for the counterfactual in the stats); it decides only for "auto".
+        controller = AdaptiveController(ControllerSettings(k_max=config.k_max))
+        stats.controller = controller
         params = config.sampling
         generator = torch.Generator().manual_seed(config.seed)
-        max_length = len(prompt_ids) + config.max_new_tokens + k + 1
+        max_length = len(prompt_ids) + config.max_new_tokens + k_longest + 1
         cache = target.new_cache(1, max_length)
         tokens = list(prompt_ids)  # every committed token; the last one is pending
 
@@ -97,7 +109,8 @@ class SpeculativeEngine:
             # 1. Draft up to k tokens after everything committed.
             started = time.perf_counter()
             remaining = config.max_new_tokens - (len(tokens) - len(prompt_ids))
-            k_step = min(k, remaining - 1)  # drafts past max_new_tokens would be thrown away
+            k_wanted = controller.choose_k() if adaptive else k_longest
+            k_step = min(k_wanted, remaining - 1)  # drafts past max_new_tokens would be thrown away
             if k_step > 0:
                 proposal = self.drafter.propose(tokens, k_step, params, generator)
             else:
@@ -120,8 +133,12 @@ class SpeculativeEngine:
             # 4. Commit the pending token and the accepted drafts; rejected slots are just not kept.
             cache.commit(1 + num_accepted)
             tokens.extend(new_tokens)
+            verify_seconds = time.perf_counter() - verifying
             stats.record_step(drafted, num_accepted, proposal.source)
-            stats.verify_seconds += time.perf_counter() - verifying
+            stats.verify_seconds += verify_seconds
+            controller.observe(
+                proposal.source, drafted, num_accepted, verifying - started, 1 + drafted, verify_seconds
+            )
             yield _Step(new_tokens)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -16,10 +16,24 @@ class GenerationStats:
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
     steps_by_drafter: dict[str, int] = field(default_factory=dict)  # which drafter proposed, per step
+    k_histogram: dict[int, int] = field(default_factory=dict)  # drafted tokens per step -> steps
     prefill_seconds: float = 0.0  # target and draft prompt processing
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward, accept/reject and commit
     total_seconds: float = 0.0
+
+    controller: object = field(default=None, repr=False, compare=False)  # the request's cost measurements
+
+    @property
+    def plain_seconds_estimate(self) -> float | None:
+        """What plain decoding would have taken for this output: prefill + one measured plain step per token."""
+        per_token = self.controller.plain_seconds_per_token() if self.controller is not None else None
+        return None if per_token is None else self.prefill_seconds + self.new_tokens * per_token
+
+    @property
+    def counterfactual_speedup(self) -> float | None:
+        plain = self.plain_seconds_estimate
+        return plain / self.total_seconds if plain is not None and self.total_seconds > 0 else None
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,12 +67,15 @@ class GenerationStats:
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.target_forwards += 1
+        self.k_histogram[num_drafted] = self.k_histogram.get(num_drafted, 0) + 1
         if num_drafted:
             self.steps_by_drafter[source] = self.steps_by_drafter.get(source, 0) + 1
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "controller"}
         for name in (
+            "plain_seconds_estimate",
+            "counterfactual_speedup",
             "acceptance_rate",
             "mean_tokens_per_target_forward",
             "acceptance_by_position",

@@ -9,23 +9,28 @@ from pathlib import Path
 
 import torch
 
-MODES = ("plain", "spec", "lookup", "suffix", "composite", "cross", "hf-plain", "hf-assisted")
+MODES = ("plain", "spec", "lookup", "suffix", "composite", "cross", "unrelated", "hf-plain", "hf-assisted")
 DRAFTER_OF_MODE = {  # our speculative modes, one per drafter; each runs once per --k
     "spec": "draft-model",
     "lookup": "prompt-lookup",
     "suffix": "suffix-index",
     "composite": "composite",
     "cross": "cross-tokenizer",
+    "unrelated": "draft-model",  # scrambled: the adversarial case where drafting cannot pay
 }
 
 
-def parse_k_list(text: str) -> list[int]:
+def mode_name(mode: str, k: int | str) -> str:
+    return f"{mode}-auto" if k == "auto" else f"{mode}-k{k}"
+
+
+def parse_k_list(text: str) -> list[int | str]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [v.strip() if v.strip() == "auto" else int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--k values must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers or 'auto', got {text!r}") from None
+    if not values or any(v != "auto" and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1 or 'auto', got {text!r}")
     return values
 
 
@@ -58,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_modes(args, target, console) -> list:
     from verispec.bench.modes import EngineMode, HuggingFaceMode
+    from verispec.bench.adversarial import ScrambledDrafter
     from verispec.drafters import make_drafter
     from verispec.engine import SpeculativeEngine
     from verispec.models.loading import resolve_model
@@ -69,8 +75,10 @@ def build_modes(args, target, console) -> list:
         if mode in args.modes:
             draft = args.cross_draft if mode == "cross" else args.draft
             drafter = make_drafter(kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True)
+            if mode == "unrelated":
+                drafter = ScrambledDrafter(drafter, target.model.vocab_size)
             engine = SpeculativeEngine(target, drafter)
-            modes += [EngineMode(f"{mode}-k{k}", engine, k) for k in args.k]
+            modes += [EngineMode(mode_name(mode, k), engine, k) for k in args.k]
     if "hf-plain" in args.modes or "hf-assisted" in args.modes:
         try:
             from transformers import AutoModelForCausalLM
@@ -87,6 +95,7 @@ def build_modes(args, target, console) -> list:
             modes += [
                 HuggingFaceMode(f"hf-assisted-k{k}", hf_target, target.tokenizer, target.eos_token_ids, hf_draft, k)
                 for k in (args.hf_k or args.k)
+                if k != "auto"
             ]
     return modes
 

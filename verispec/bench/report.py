@@ -89,6 +89,16 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
         for s in spec:
             lines.append(f"- {s['mode']}: " + ", ".join(f"{a:.0%}" for a in s["acceptance_by_position"]))
         lines.append("")
+    adaptive = [s for s in summaries if s["mode"].endswith("-auto")]
+    if adaptive:
+        lines += ["Drafts per step chosen by `auto` (k: steps), and its own estimate of the speedup over plain:", ""]
+        for s in adaptive:
+            estimate = s.get("counterfactual_speedup_median")
+            lines.append(
+                f"- {s['mode']}: " + ", ".join(f"{k}: {n}" for k, n in s.get("k_histogram", {}).items())
+                + (f"; estimated {estimate:.2f}x" if estimate else "")
+            )
+        lines.append("")
     lines += [f"![{p}]({p})" for p in plots]
     lines += ["", "Per prompt (end-to-end tokens/s):", ""]
     modes = [s["mode"] for s in summaries]

@@ -85,7 +85,14 @@ def summarize_mode(results: list[PromptRuns], mode: str, baseline: str, greedy: 
             d = sum(s["drafted_by_position"][i] for s in stats if i < len(s["drafted_by_position"]))
             a = sum(s["accepted_by_position"][i] for s in stats if i < len(s["accepted_by_position"]))
             by_position.append(a / d if d else 0.0)
+        histogram: dict[int, int] = {}
+        for s in stats:
+            for k, steps in s["k_histogram"].items():
+                histogram[int(k)] = histogram.get(int(k), 0) + steps
+        estimates = [s["counterfactual_speedup"] for s in stats if s.get("counterfactual_speedup")]
         summary.update(
+            k_histogram=dict(sorted(histogram.items())),
+            counterfactual_speedup_median=statistics.median(estimates) if estimates else None,
             acceptance_rate=accepted / drafted if drafted else None,
             mean_tokens_per_target_forward=sum(s["new_tokens"] for s in stats) / forwards if forwards else None,
             acceptance_by_position=by_position,

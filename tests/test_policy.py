@@ -1,0 +1,86 @@
+"""The adaptive controller: pure cost/acceptance arithmetic, then through the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec.drafters import DraftModelDrafter
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import load_model
+from verispec.policy import AdaptiveController, ControllerSettings
+
+
+def run_steps(controller, steps, accept_rate_of_k, draft_cost, verify_cost):
+    """Simulate steps: the controller picks k, the 'world' answers with costs and acceptances."""
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose_k()
+        chosen.append(k)
+        accepted = min(k, int(round(accept_rate_of_k * k)))
+        controller.observe("draft-model", k, accepted, draft_cost * k, k + 1, verify_cost(k + 1))
+    return chosen
+
+
+def test_expected_rate_matches_the_formula():
+    controller = AdaptiveController(ControllerSettings(k_max=3, prior_acceptance=0.5))
+    controller.verify_cost = {1: 0.1, 4: 0.13}
+    averages = controller._source("x")
+    averages.draft_cost = 0.01
+    expected_tokens = 1 + 0.5 + 0.25 + 0.125
+    assert controller.expected_rate(3, averages) == pytest.approx(expected_tokens / (3 * 0.01 + 0.13))
+    assert controller._verify_seconds(2) == pytest.approx(0.11)  # interpolated
+    assert controller._verify_seconds(7) == pytest.approx(0.16)  # extrapolated
+
+
+def test_speculates_long_when_drafts_are_right_and_cheap():
+    controller = AdaptiveController(ControllerSettings(k_max=8))
+    chosen = run_steps(controller, 60, 1.0, 0.01, lambda n: 0.2 + 0.005 * n)
+    assert sum(chosen[-20:]) / 20 >= 6
+
+
+def test_stops_speculating_when_drafts_never_pass_but_keeps_probing():
+    controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=8))
+    chosen = run_steps(controller, 80, 0.0, 0.05, lambda n: 0.2 + 0.005 * n)
+    tail = chosen[-40:]
+    assert tail.count(0) >= 30  # mostly plain decoding
+    assert 1 in tail  # but it still probes
+    assert max(tail) <= 1
+
+
+def test_recovers_when_the_drafter_starts_to_agree_again():
+    controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=4))
+    run_steps(controller, 40, 0.0, 0.02, lambda n: 0.2)
+    chosen = run_steps(controller, 60, 1.0, 0.02, lambda n: 0.2)
+    assert sum(chosen[-10:]) / 10 >= 4
+
+
+def test_plain_cost_is_unknown_until_measured():
+    controller = AdaptiveController()
+    assert controller.plain_seconds_per_token() is None
+    controller.observe("x", 5, 5, 0.1, 6, 0.3)
+    assert controller.plain_seconds_per_token() is None  # one size only: no honest extrapolation
+    controller.observe("x", 0, 0, 0.0, 1, 0.2)
+    assert controller.plain_seconds_per_token() == pytest.approx(0.2)
+
+
+def test_auto_is_lossless_and_reports_its_choices(tiny_dir, other_tiny_dir):
+    target = load_model(tiny_dir, "float32")
+    other = load_model(other_tiny_dir, "float32")
+    plain = SpeculativeEngine(target).generate("def add(a, b):", GenerationConfig(max_new_tokens=60, k=0, eos_token_ids=()))
+    for drafter_model in (target, other):
+        engine = SpeculativeEngine(target, DraftModelDrafter(drafter_model.model, target.model.vocab_size))
+        result = engine.generate("def add(a, b):", GenerationConfig(max_new_tokens=60, k="auto", eos_token_ids=()))
+        assert result.token_ids == plain.token_ids
+        histogram = result.stats.k_histogram
+        assert sum(histogram.values()) == result.stats.target_forwards
+        data = result.stats.to_dict()
+        assert "counterfactual_speedup" in data and "k_histogram" in data
+    assert max(k for k in histogram if histogram[k]) >= 1  # it tried the unrelated drafter
+    assert histogram.get(0, 0) > 0  # and then gave up on it for plain steps
+
+
+def test_bad_k_is_rejected():
+    with pytest.raises(ValueError, match="auto"):
+        GenerationConfig(k="sometimes")
+    with pytest.raises(ValueError, match="k_max"):
+        GenerationConfig(k_max=0)

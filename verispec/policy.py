@@ -1,0 +1,129 @@
+"""How much to speculate: before each step, pick the k that maximises expected tokens per second.
+
+Speculation pays only when the tokens it is expected to add outweigh what drafting and the longer
+verify pass cost, and both sides differ by machine, model pair and workload. So the controller
+measures them online, on this machine, during the request:
+
+- alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
+  positions before it were; an exponential moving average over recent steps.
+- draft_cost[s]: seconds per drafted token from source s (a draft model's forward; ~0 for lookup).
+- verify_cost(n): seconds of one target forward over n tokens, averaged per n and interpolated.
+
+With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
+in draft_cost * k + verify_cost(k + 1) seconds. The controller picks argmax E(k) / seconds over
+k = 0 .. k_max, where k = 0 is plain decoding. When it has chosen k = 0 for a while it probes with
+k = 1 (one cheap draft token) so it notices when the drafter starts to agree again.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ControllerSettings:
+    k_max: int = 8  # longest draft considered
+    smoothing: float = 0.15  # weight of the newest observation in every moving average
+    prior_acceptance: float = 0.7  # optimistic start, so speculation is tried before it is judged
+    probe_every: int = 8  # after this many plain steps in a row, try k = 1 once
+    first_k: int = 4  # k of the very first step, before anything was measured
+
+
+@dataclass
+class _Averages:
+    alpha: list[float]  # (k_max,) acceptance by position, given reached
+    draft_cost: float | None = None  # seconds per drafted token
+
+
+@dataclass
+class AdaptiveController:
+    settings: ControllerSettings = field(default_factory=ControllerSettings)
+    sources: dict[str, _Averages] = field(default_factory=dict)
+    verify_cost: dict[int, float] = field(default_factory=dict)  # tokens in the forward -> seconds
+    recent_sources: Counter = field(default_factory=Counter)
+    plain_streak: int = 0
+    chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
+
+    def _source(self, name: str) -> _Averages:
+        if name not in self.sources:
+            self.sources[name] = _Averages([self.settings.prior_acceptance] * self.settings.k_max)
+        return self.sources[name]
+
+    def _verify_seconds(self, tokens: int) -> float | None:
+        """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
+        if tokens in self.verify_cost:
+            return self.verify_cost[tokens]
+        seen = sorted(self.verify_cost)
+        if not seen:
+            return None
+        if len(seen) == 1:
+            return self.verify_cost[seen[0]]  # a CPU forward over a few tokens costs about the same
+        below = max((n for n in seen if n < tokens), default=seen[0])
+        above = min((n for n in seen if n > tokens), default=seen[-1])
+        if below == above:
+            (below, above) = (seen[-2], seen[-1]) if tokens > seen[-1] else (seen[0], seen[1])
+        slope = (self.verify_cost[above] - self.verify_cost[below]) / (above - below)
+        return max(self.verify_cost[below] + slope * (tokens - below), 1e-6)
+
+    def expected_rate(self, k: int, averages: _Averages) -> float | None:
+        """Expected tokens per second with k drafts, or None before the costs were measured."""
+        verify = self._verify_seconds(k + 1)
+        if verify is None or (k > 0 and averages.draft_cost is None):
+            return None
+        tokens, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= averages.alpha[i]
+            tokens += reach
+        return tokens / ((averages.draft_cost or 0.0) * k + verify)
+
+    def choose_k(self) -> int:
+        """k for the next step (0 = plain decoding)."""
+        source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
+        if source is None:
+            k = self.settings.first_k
+        else:
+            averages = self._source(source)
+            rates = [(self.expected_rate(k, averages), k) for k in range(self.settings.k_max + 1)]
+            if any(rate is None for rate, _ in rates):
+                k = self.settings.first_k if self._verify_seconds(1) is not None else 0
+            else:
+                k = max(rates)[1]
+            if k == 0:
+                self.plain_streak += 1
+                if self.plain_streak >= self.settings.probe_every:
+                    self.plain_streak = 0
+                    k = 1
+            else:
+                self.plain_streak = 0
+        self.chosen[k] += 1
+        return k
+
+    def observe(
+        self, source: str, drafted: int, accepted: int, draft_seconds: float, verify_tokens: int, verify_seconds: float
+    ) -> None:
+        """Record one step: how many drafts from `source` were accepted and what each phase cost."""
+        w = self.settings.smoothing
+        previous = self.verify_cost.get(verify_tokens)
+        self.verify_cost[verify_tokens] = verify_seconds if previous is None else (1 - w) * previous + w * verify_seconds
+        if drafted == 0:
+            return
+        averages = self._source(source)
+        for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
+            hit = 1.0 if position < accepted else 0.0
+            averages.alpha[position] = (1 - w) * averages.alpha[position] + w * hit
+        per_token = draft_seconds / drafted
+        averages.draft_cost = per_token if averages.draft_cost is None else (1 - w) * averages.draft_cost + w * per_token
+        self.recent_sources[source] += 1
+        if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
+            for name in list(self.recent_sources):
+                self.recent_sources[name] //= 2
+
+    def plain_seconds_per_token(self) -> float | None:
+        """What one plain decoding step costs here (for the counterfactual speedup).
+
+        Measured when a step verified one token; else extrapolated from two or more sizes; else unknown.
+        """
+        if 1 not in self.verify_cost and len(self.verify_cost) < 2:
+            return None
+        return self._verify_seconds(1)
