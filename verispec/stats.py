@@ -15,6 +15,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
+    # acceptance_by_position[i] = accepted / drafted at position i (so it includes earlier rejections)
     steps_by_drafter: dict[str, int] = field(default_factory=dict)  # which drafter proposed, per step
     k_histogram: dict[int, int] = field(default_factory=dict)  # drafted tokens per step -> steps
     prefill_seconds: float = 0.0  # target and draft prompt processing

@@ -85,7 +85,7 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
     ]
     spec = [s for s in summaries if s.get("acceptance_by_position")]
     if spec:
-        lines += ["Acceptance by draft position:", ""]
+        lines += ["Acceptance by draft position (accepted / drafted at that position):", ""]
         for s in spec:
             lines.append(f"- {s['mode']}: " + ", ".join(f"{a:.0%}" for a in s["acceptance_by_position"]))
         lines.append("")
@@ -142,8 +142,10 @@ def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[st
         for s in spec:
             positions = range(1, len(s["acceptance_by_position"]) + 1)
             ax.plot(positions, s["acceptance_by_position"], marker="o", label=s["mode"])
+        width = max(len(s["acceptance_by_position"]) for s in spec)
+        ax.set_xticks(range(1, width + 1))
         ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate (given reached)")
+        ax.set_ylabel("share of drafts at this position accepted")
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
         files.append(_save(fig, out, "acceptance_by_position.png"))
