@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 
 def machine_description() -> dict:
+    """CPU model, cores, memory, bf16 support, threads and software versions."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -17,8 +19,20 @@ def machine_description() -> dict:
                 break
     except OSError:
         pass
+    memory_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    from verispec.models.loading import cpu_supports_bfloat16
+
     return {
         "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "bfloat16_dot_products": cpu_supports_bfloat16(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
