@@ -63,6 +63,13 @@ class SpeculativeEngine:
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        # Costs belong to this machine and model pair, so measurements carry over between requests.
+        self._controllers: dict[int, AdaptiveController] = {}  # k_max -> controller
+
+    def controller(self, k_max: int) -> AdaptiveController:
+        if k_max not in self._controllers:
+            self._controllers[k_max] = AdaptiveController(ControllerSettings(k_max=k_max))
+        return self._controllers[k_max]
 
     def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
         stream = self.stream(prompt, config)
@@ -88,7 +95,7 @@ class SpeculativeEngine:
         k_longest = config.longest_draft if self.drafter is not None else 0
         adaptive = config.k == "auto" and self.drafter is not None
         # The controller always measures (for the counterfactual in the stats); it decides only for "auto".
-        controller = AdaptiveController(ControllerSettings(k_max=config.k_max))
+        controller = self.controller(config.k_max)
         stats.controller = controller
         params = config.sampling
         generator = torch.Generator().manual_seed(config.seed)

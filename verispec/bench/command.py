@@ -77,8 +77,8 @@ def build_modes(args, target, console) -> list:
             drafter = make_drafter(kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True)
             if mode == "unrelated":
                 drafter = ScrambledDrafter(drafter, target.model.vocab_size)
-            engine = SpeculativeEngine(target, drafter)
-            modes += [EngineMode(mode_name(mode, k), engine, k) for k in args.k]
+            # One engine per mode: the adaptive controller learns only from its own runs.
+            modes += [EngineMode(mode_name(mode, k), SpeculativeEngine(target, drafter), k) for k in args.k]
     if "hf-plain" in args.modes or "hf-assisted" in args.modes:
         try:
             from transformers import AutoModelForCausalLM
