@@ -29,7 +29,7 @@ def test_streamed_text_equals_json_text(capsys, tiny_dir, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("class")
     common = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--prompt-file", str(prompt_file),
-              "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3"]
+              "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3", "--k", "3"]
     data = run_json(capsys, *common)
     assert main(["generate", *common]) == 0
     captured = capsys.readouterr()

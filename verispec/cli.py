@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--seed", type=int, default=0,
+        help="sampling seed: with a fixed --k the same seed gives the same text; with --k auto the "
+        "distribution is exact but the draw depends on the k chosen at each step",
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument(

@@ -27,7 +27,7 @@ from verispec.verify import verify
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0  # with the same seed and settings, the same output
+    seed: int = 0  # same seed and settings with a fixed k: same output (auto's k depends on timing)
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
     k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
