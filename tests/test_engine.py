@@ -97,10 +97,10 @@ def exact_two_token_law(target, prompt_ids, sampling):
     return p1[:, None] * p2
 
 
-def two_token_frequencies(engine, prompt_ids, sampling, runs):
+def two_token_frequencies(engine, prompt_ids, sampling, runs, k=3):
     counts = Counter()
     for seed in range(runs):
-        ids = engine.generate(prompt_ids, greedy(max_new_tokens=2, k=3, sampling=sampling, seed=seed)).token_ids
+        ids = engine.generate(prompt_ids, greedy(max_new_tokens=2, k=k, sampling=sampling, seed=seed)).token_ids
         counts[tuple(ids)] += 1
     return counts
 
@@ -146,6 +146,17 @@ def test_sampled_output_follows_the_target_distribution(target, other, tiny_llam
     assert spec.generate(prompt_ids, greedy(max_new_tokens=2, k=3)).stats.drafted_tokens > 0  # it does propose
     runs = 1500
     assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
+
+
+def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, other):
+    """k chosen per step by the controller (which learns across these runs) keeps the law exact."""
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(REPEATING)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    runs = 1500
+    assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs, k="auto"), law, runs)
+    assert len(spec.controller(8).chosen) > 1  # it really varied k
 
 
 def test_negative_control_accept_all_fails_the_same_check(target, other, monkeypatch):

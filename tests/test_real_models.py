@@ -49,6 +49,22 @@ def test_float32_speculative_greedy_equals_plain_on_humaneval(qwen_f32):
     assert sum(accepted) / len(accepted) > 0.5  # the 0.5B really drafts for the 1.5B
 
 
+@pytest.mark.parametrize("kind", ["prompt-lookup", "suffix-index", "composite", "cross-tokenizer"])
+def test_float32_every_drafter_equals_plain(qwen_f32, kind):
+    """Greedy output of every drafter equals plain decoding token for token (float32, real models)."""
+    from verispec.drafters import make_drafter
+
+    target, _ = qwen_f32
+    draft = "smollm2-135m-instruct" if kind == "cross-tokenizer" else DRAFT
+    drafter = make_drafter(kind, target, draft, "float32")
+    problem = humaneval_prompts()[3]["prompt"]
+    prompt = f"{problem}\n# The same function again, unchanged:\n{problem}"  # something to look up
+    expected = SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=32, k=0))
+    result = SpeculativeEngine(target, drafter).generate(prompt, GenerationConfig(max_new_tokens=32, k="auto"))
+    assert result.token_ids == expected.token_ids
+    assert result.stats.drafted_tokens > 0
+
+
 def test_cli_json_speculative_equals_plain(capsys):
     prompt = 'def count_vowels(text: str) -> int:\n    """Count the vowels in text."""\n'
     common = ["generate", "--json", "--target", TARGET, "--prompt", prompt, "--max-new-tokens", "32", "--dtype", "float32"]
