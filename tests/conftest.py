@@ -70,3 +70,20 @@ def other_tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=2, model_type="llama")
+
+
+REPEATING_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+
+
+@pytest.fixture(scope="session")
+def target(tiny_dir):
+    """The tiny Qwen-layout model, loaded in float32 (engines and drafters keep per-request state elsewhere)."""
+    from verispec.models.loading import load_model
+
+    return load_model(tiny_dir, "float32")
+
+
+@pytest.fixture(scope="session")
+def repeating_prompt() -> str:
+    """A prompt that repeats itself, so lookup drafters have something to propose."""
+    return REPEATING_PROMPT

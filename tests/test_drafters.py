@@ -20,12 +20,6 @@ from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
-REPETITIVE = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return load_model(tiny_dir, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +75,13 @@ def test_suffix_index_uses_a_corpus(tmp_path):
         SuffixIndexDrafter.with_corpus([tmp_path / "missing"], list)
 
 
-def test_composite_falls_back_when_lookup_has_nothing(target):
+def test_composite_falls_back_when_lookup_has_nothing(target, repeating_prompt):
     model_drafter = DraftModelDrafter(target.model, target.model.vocab_size)
     composite = CompositeDrafter([PromptLookupDrafter(), model_drafter])
     ids = target.encode("The quick brown")
     composite.begin(ids, 64)
     assert composite.propose(ids, 3, GREEDY, None).source == "draft-model"
-    repeated = target.encode(REPETITIVE)
+    repeated = target.encode(repeating_prompt)
     composite.begin(repeated, 64)
     assert composite.propose(repeated, 3, GREEDY, None).source == "prompt-lookup"
     built = make_drafter("composite", target, str(target.directory), "float32")
@@ -99,12 +93,12 @@ def greedy_config(k=4):
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "suffix-index", "composite", "cross-tokenizer"])
-def test_every_drafter_is_lossless_greedy(target, tiny_llama_dir, kind):
+def test_every_drafter_is_lossless_greedy(target, tiny_llama_dir, repeating_prompt, kind):
     drafter = make_drafter(kind, target, str(tiny_llama_dir) if kind in ("composite", "cross-tokenizer") else None, "float32")
     spec = SpeculativeEngine(target, drafter)
     plain = SpeculativeEngine(target)
     drafted = 0
-    for prompt in (REPETITIVE, "class Point:\n    def __init__(self, x, y):\n"):
+    for prompt in (repeating_prompt, "class Point:\n    def __init__(self, x, y):\n"):
         expected = plain.generate(prompt, greedy_config(k=0))
         result = spec.generate(prompt, greedy_config())
         assert result.token_ids == expected.token_ids

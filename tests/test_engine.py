@@ -18,11 +18,6 @@ PROMPTS = ["def add(a, b):", "The quick brown", "for i in range(10):\n", "class"
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dir):
-    return load_model(tiny_dir, "float32")
-
-
-@pytest.fixture(scope="module")
 def other(other_tiny_dir):
     return load_model(other_tiny_dir, "float32")
 
@@ -123,11 +118,8 @@ def law_matches(counts: Counter, law: torch.Tensor, runs: int) -> bool:
     return pairs_ok and marginal_matches(joint.sum(1), law.sum(1), runs) and marginal_matches(joint.sum(0), law.sum(0), runs)
 
 
-REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
-
-
 @pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup", "cross-tokenizer"])
-def test_sampled_output_follows_the_target_distribution(target, other, tiny_llama_dir, drafter_kind):
+def test_sampled_output_follows_the_target_distribution(target, other, tiny_llama_dir, repeating_prompt, drafter_kind):
     """Through the whole engine, two sampled tokens follow plain decoding's exact law.
 
     draft-model proposes with its q; prompt-lookup and cross-tokenizer propose point masses (q = 1).
@@ -135,7 +127,7 @@ def test_sampled_output_follows_the_target_distribution(target, other, tiny_llam
     from verispec.drafters import PromptLookupDrafter, make_drafter
 
     sampling = SamplingParams(temperature=1.0, top_k=20)
-    prompt_ids = target.encode(REPEATING)
+    prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)
     drafter = {
         "draft-model": lambda: DraftModelDrafter(other.model, target.model.vocab_size),
@@ -148,10 +140,10 @@ def test_sampled_output_follows_the_target_distribution(target, other, tiny_llam
     assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
 
 
-def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, other):
+def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, other, repeating_prompt):
     """k chosen per step by the controller (which learns across these runs) keeps the law exact."""
     sampling = SamplingParams(temperature=1.0, top_k=20)
-    prompt_ids = target.encode(REPEATING)
+    prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)
     spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
     runs = 1500
@@ -159,7 +151,7 @@ def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, 
     assert len(spec.controller(8).chosen) > 1  # it really varied k
 
 
-def test_negative_control_accept_all_fails_the_same_check(target, other, monkeypatch):
+def test_negative_control_accept_all_fails_the_same_check(target, other, repeating_prompt, monkeypatch):
     """A verifier that accepts every draft emits the drafter's law; the check above must catch it."""
 
     def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
@@ -169,7 +161,7 @@ def test_negative_control_accept_all_fails_the_same_check(target, other, monkeyp
 
     monkeypatch.setattr(engine_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
-    prompt_ids = target.encode(REPEATING)
+    prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)
     spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
     runs = 1500
