@@ -25,7 +25,7 @@ def test_expected_rate_matches_the_formula():
     controller = AdaptiveController(ControllerSettings(k_max=3, prior_acceptance=0.5))
     controller.verify_cost = {1: 0.1, 4: 0.13}
     averages = controller._source("x")
-    averages.draft_cost = 0.01
+    averages.draft_cost = {1: 0.01}
     expected_tokens = 1 + 0.5 + 0.25 + 0.125
     assert controller.expected_rate(3, averages) == pytest.approx(expected_tokens / (3 * 0.01 + 0.13))
     assert controller._verify_seconds(2) == pytest.approx(0.11)  # interpolated

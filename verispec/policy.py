@@ -6,12 +6,15 @@ measures them online, on this machine, during the request:
 
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
   positions before it were; an exponential moving average over recent steps.
-- draft_cost[s]: seconds per drafted token from source s (a draft model's forward; ~0 for lookup).
-- verify_cost(n): seconds of one target forward over n tokens, averaged per n and interpolated.
+- draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
+  batched draft-model forward; ~0 for lookup), averaged per b and interpolated.
+- verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
 
 With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
-in draft_cost * k + verify_cost(k + 1) seconds. The controller picks argmax E(k) / seconds over
-k = 0 .. k_max, where k = 0 is plain decoding. When it has chosen k = 0 for a while it probes with
+per sequence; a batch of b sequences spends draft_cost(b) * k + verify_cost(b * (k + 1)) seconds on
+them. The controller picks argmax E(k) / seconds over k = 0 .. k_max, where k = 0 is plain
+decoding. A single request is b = 1. As the batch grows the verify pass stops being memory-bound
+and costs more per token, so the same acceptance buys less and the chosen k falls. When it has chosen k = 0 for a while it probes with
 k = 1 (one cheap draft token) so it notices when the drafter starts to agree again.
 """
 
@@ -33,7 +36,7 @@ class ControllerSettings:
 @dataclass
 class _Averages:
     alpha: list[float]  # (k_max,) acceptance by position, given reached
-    draft_cost: float | None = None  # seconds per drafted token
+    draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
 
 
 @dataclass
@@ -52,41 +55,30 @@ class AdaptiveController:
 
     def _verify_seconds(self, tokens: int) -> float | None:
         """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
-        if tokens in self.verify_cost:
-            return self.verify_cost[tokens]
-        seen = sorted(self.verify_cost)
-        if not seen:
-            return None
-        if len(seen) == 1:
-            return self.verify_cost[seen[0]]  # a CPU forward over a few tokens costs about the same
-        below = max((n for n in seen if n < tokens), default=seen[0])
-        above = min((n for n in seen if n > tokens), default=seen[-1])
-        if below == above:
-            (below, above) = (seen[-2], seen[-1]) if tokens > seen[-1] else (seen[0], seen[1])
-        slope = (self.verify_cost[above] - self.verify_cost[below]) / (above - below)
-        return max(self.verify_cost[below] + slope * (tokens - below), 1e-6)
+        return _interpolate(self.verify_cost, tokens)
 
-    def expected_rate(self, k: int, averages: _Averages) -> float | None:
-        """Expected tokens per second with k drafts, or None before the costs were measured."""
-        verify = self._verify_seconds(k + 1)
-        if verify is None or (k > 0 and averages.draft_cost is None):
+    def expected_rate(self, k: int, averages: _Averages, batch_size: int = 1) -> float | None:
+        """Expected tokens per second per sequence with k drafts, or None before the costs were measured."""
+        verify = self._verify_seconds(batch_size * (k + 1))
+        draft = _interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
+        if verify is None or draft is None:
             return None
         tokens, reach = 1.0, 1.0
         for i in range(k):
             reach *= averages.alpha[i]
             tokens += reach
-        return tokens / ((averages.draft_cost or 0.0) * k + verify)
+        return tokens / (draft * k + verify)
 
-    def choose_k(self) -> int:
-        """k for the next step (0 = plain decoding)."""
+    def choose_k(self, batch_size: int = 1) -> int:
+        """k for the next step of `batch_size` sequences decoded together (0 = plain decoding)."""
         source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
         if source is None:
             k = self.settings.first_k
         else:
             averages = self._source(source)
-            rates = [(self.expected_rate(k, averages), k) for k in range(self.settings.k_max + 1)]
+            rates = [(self.expected_rate(k, averages, batch_size), k) for k in range(self.settings.k_max + 1)]
             if any(rate is None for rate, _ in rates):
-                k = self.settings.first_k if self._verify_seconds(1) is not None else 0
+                k = self.settings.first_k if self._verify_seconds(batch_size) is not None else 0
             else:
                 k = max(rates)[1]
             if k == 0:
@@ -100,9 +92,20 @@ class AdaptiveController:
         return k
 
     def observe(
-        self, source: str, drafted: int, accepted: int, draft_seconds: float, verify_tokens: int, verify_seconds: float
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_tokens: int,
+        verify_seconds: float,
+        batch_size: int = 1,
     ) -> None:
-        """Record one step: how many drafts from `source` were accepted and what each phase cost."""
+        """Record one sequence's step: how many drafts from `source` were accepted, what each phase cost.
+
+        For a batch, call once per sequence with the whole step's draft_seconds and verify pass
+        (verify_tokens = tokens in the batched forward); the costs are averaged per batch size.
+        """
         w = self.settings.smoothing
         previous = self.verify_cost.get(verify_tokens)
         self.verify_cost[verify_tokens] = verify_seconds if previous is None else (1 - w) * previous + w * verify_seconds
@@ -112,8 +115,9 @@ class AdaptiveController:
         for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
             hit = 1.0 if position < accepted else 0.0
             averages.alpha[position] = (1 - w) * averages.alpha[position] + w * hit
-        per_token = draft_seconds / drafted
-        averages.draft_cost = per_token if averages.draft_cost is None else (1 - w) * averages.draft_cost + w * per_token
+        per_position = draft_seconds / drafted
+        previous = averages.draft_cost.get(batch_size)
+        averages.draft_cost[batch_size] = per_position if previous is None else (1 - w) * previous + w * per_position
         self.recent_sources[source] += 1
         if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
             for name in list(self.recent_sources):
@@ -127,3 +131,20 @@ class AdaptiveController:
         if 1 not in self.verify_cost and len(self.verify_cost) < 2:
             return None
         return self._verify_seconds(1)
+
+
+def _interpolate(table: dict[int, float], x: int) -> float | None:
+    """table[x] if measured, else a straight line through the nearest measured sizes (None if empty)."""
+    if x in table:
+        return table[x]
+    seen = sorted(table)
+    if not seen:
+        return None
+    if len(seen) == 1:
+        return table[seen[0]]  # a CPU forward over a few tokens costs about the same
+    below = max((n for n in seen if n < x), default=seen[0])
+    above = min((n for n in seen if n > x), default=seen[-1])
+    if below == above:
+        (below, above) = (seen[-2], seen[-1]) if x > seen[-1] else (seen[0], seen[1])
+    slope = (table[above] - table[below]) / (above - below)
+    return max(table[below] + slope * (x - below), 1e-6)

@@ -64,4 +64,21 @@ class KVCache:
         new = torch.as_tensor(lengths, dtype=torch.long).expand_as(self.lengths)
         if bool((new > self.lengths).any()):
             raise ValueError("truncate can only shorten the committed prefix")
-        self.lengths = new.clone()
+        self.lengths.copy_(new)  # in place: a view from `rows` shares this tensor
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows [start, stop) that shares this one's storage (a forward on it writes here)."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[start:stop] for k in self.keys]
+        view.values = [v[start:stop] for v in self.values]
+        view.lengths = self.lengths[start:stop]
+        view.capacity = self.capacity
+        return view
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Copy row `source`'s committed prefix into row `destination` (to keep active rows contiguous)."""
+        length = int(self.lengths[source])
+        for k, v in zip(self.keys, self.values):
+            k[destination, :, :length] = k[source, :, :length]
+            v[destination, :, :length] = v[source, :, :length]
+        self.lengths[destination] = length

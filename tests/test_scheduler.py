@@ -1,0 +1,165 @@
+"""The continuous-batching scheduler: many sequences in one verify pass give each its single-request output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.drafters import DraftModelDrafter
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import load_model
+from verispec.sampling import SamplingParams
+from verispec.serving.scheduler import QueueFullError, Scheduler, SchedulerLimits
+
+PROMPTS = [
+    "def add(a, b):\n",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "def greet(name):\n    print(",
+    "hello",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def draft(other_tiny_dir):
+    return load_model(str(other_tiny_dir), "float32")
+
+
+def plain_tokens(target, prompt: str, max_new_tokens: int) -> list[int]:
+    return SpeculativeEngine(target, None).generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
+
+
+def run_all(scheduler: Scheduler, prompts: list[str], configs: list[GenerationConfig]):
+    """Submit everything before the loop starts, so the sequences really share steps."""
+    handles = [scheduler.submit(scheduler.target.encode(p), c) for p, c in zip(prompts, configs)]
+    scheduler.start()
+    try:
+        return [list(h.iter_events()) for h in handles]
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup", "suffix-index", "none"])
+@pytest.mark.parametrize("k", ["auto", 3])
+def test_batched_greedy_equals_single_requests(target, draft, drafter, k):
+    lengths = [24, 7, 31, 16, 40, 1]  # sequences finish at different steps and leave the batch
+    expected = [plain_tokens(target, p, n) for p, n in zip(PROMPTS, lengths)]
+    scheduler = Scheduler(
+        target, draft.model if drafter == "draft-model" else None, drafter, k=k,
+        limits=SchedulerLimits(max_batch_size=4, max_context=256),
+    )
+    events = run_all(scheduler, PROMPTS, [GenerationConfig(max_new_tokens=n) for n in lengths])
+    for prompt_events, want in zip(events, expected):
+        tokens = [t for e in prompt_events for t in e.token_ids]
+        assert tokens == want
+        final = prompt_events[-1]
+        assert final.finish_reason in ("length", "stop")
+        assert final.stats.completion_tokens == len(want)
+        assert "".join(e.text for e in prompt_events) == target.decode(want)
+        assert 0 <= final.stats.accepted_tokens <= final.stats.drafted_tokens
+    assert scheduler.num_active == 0
+    if drafter != "none":
+        assert sum(e[-1].stats.drafted_tokens for e in events) > 0
+
+
+def test_draft_model_rows_are_accepted_on_a_self_draft(target):
+    """Drafting with the target itself accepts every draft: rows, rollback and moves stay in sync."""
+    scheduler = Scheduler(target, target.model, "draft-model", k=3, limits=SchedulerLimits(max_batch_size=3, max_context=256))
+    events = run_all(scheduler, PROMPTS, [GenerationConfig(max_new_tokens=n) for n in (20, 9, 33, 12, 5, 17)])
+    for prompt_events in events:
+        stats = prompt_events[-1].stats
+        assert stats.drafted_tokens > 0
+        assert stats.accepted_tokens == stats.drafted_tokens
+
+
+def test_sampled_rows_use_their_own_settings(target, draft):
+    """A greedy row batched with sampled rows still gets its plain output; sampled rows stop at their lengths."""
+    configs = [
+        GenerationConfig(max_new_tokens=20, sampling=SamplingParams(temperature=1.0), seed=s) for s in range(3)
+    ] + [GenerationConfig(max_new_tokens=25)]
+    scheduler = Scheduler(target, draft.model, "draft-model", k=2, limits=SchedulerLimits(max_batch_size=4, max_context=256))
+    events = run_all(scheduler, PROMPTS[:4], configs)
+    assert [t for e in events[3] for t in e.token_ids] == plain_tokens(target, PROMPTS[3], 25)
+    for prompt_events in events[:3]:
+        assert prompt_events[-1].finish_reason in ("length", "stop")
+        assert prompt_events[-1].stats.completion_tokens <= 20
+
+
+def test_stop_strings_and_cancel(target):
+    full = target.decode(plain_tokens(target, PROMPTS[0], 30))
+    stop = full[5:8]
+    scheduler = Scheduler(target, None, "prompt-lookup", limits=SchedulerLimits(max_batch_size=2, max_context=256))
+    handles = [
+        scheduler.submit(target.encode(PROMPTS[0]), GenerationConfig(max_new_tokens=30, stop_strings=(stop,))),
+        scheduler.submit(target.encode(PROMPTS[1]), GenerationConfig(max_new_tokens=200)),
+    ]
+    handles[1].cancel()
+    scheduler.start()
+    try:
+        stopped = list(handles[0].iter_events())
+        cancelled = list(handles[1].iter_events())
+    finally:
+        scheduler.stop()
+    assert "".join(e.text for e in stopped) == full[: full.index(stop)]
+    assert stopped[-1].finish_reason == "stop"
+    assert cancelled[-1].finish_reason == "cancelled"
+    assert scheduler.num_active == 0
+
+
+def test_limits_are_enforced(target):
+    scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(max_batch_size=1, max_waiting=2, max_context=64))
+    with pytest.raises(ValueError, match="exceeds the server's context of 64"):
+        scheduler.submit(list(range(60)), GenerationConfig(max_new_tokens=10))
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.submit([], GenerationConfig(max_new_tokens=10))
+    scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(QueueFullError):
+        scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="max_context"):
+        Scheduler(target, None, "none", limits=SchedulerLimits(max_context=100_000))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Scheduler(target, None, "draft-model")
+
+
+def test_controller_speculates_less_when_verification_gets_expensive():
+    """With verify cost growing with tokens in the pass, the same acceptance buys a smaller k at batch 16."""
+    from verispec.policy import AdaptiveController, ControllerSettings
+
+    controller = AdaptiveController(ControllerSettings(k_max=8))
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 144):
+        controller.verify_cost[tokens] = 0.2 if tokens <= 8 else 0.2 + 0.012 * (tokens - 8)
+    averages = controller._source("draft-model")
+    averages.alpha = [0.8] * 8
+    averages.draft_cost = {1: 0.02, 16: 0.06}
+    controller.recent_sources["draft-model"] = 1
+    k_single, k_batch = controller.choose_k(1), controller.choose_k(16)
+    assert k_single >= 4
+    assert k_batch < k_single
+
+
+def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
+    """Same proposals as DraftModelDrafter per row, across rejections (rollback) and row moves."""
+    from verispec.serving.batch_draft import BatchedDraftModel
+
+    prompts = [target.encode(p) for p in PROMPTS[:3]]
+    batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=3, capacity=128)
+    singles = [DraftModelDrafter(draft.model, target.model.vocab_size) for _ in prompts]
+    sequences = [list(p) for p in prompts]
+    for row, (prompt, single) in enumerate(zip(prompts, singles)):
+        batched.add(row, prompt)
+        single.begin(prompt, 128)
+    greedy = SamplingParams()
+    for step in range(5):
+        proposals = batched.propose(sequences, 3, [greedy] * len(sequences), [None] * len(sequences))
+        for b, (sequence, single) in enumerate(zip(sequences, singles)):
+            want = single.propose(sequence, 3, greedy, None).token_ids
+            assert torch.equal(proposals[b].token_ids, want)
+            # Keep a different number of drafts per row, then a token the draft did not propose.
+            keep = (step + b) % 4
+            sequence.extend(want[0, :keep].tolist() + [(int(want[0, min(keep, 2)]) + 1) % target.model.vocab_size])
+        if step == 2:  # the first sequence leaves: the others move down a row, as in the scheduler
+            batched.move(1, 0)
+            batched.move(2, 1)
+            sequences, singles = sequences[1:], singles[1:]

@@ -1,0 +1,515 @@
+"""Continuous batching: every active request advances by one speculative step per batched target forward.
+
+One thread owns the models. Each iteration it
+  1. admits waiting requests into free cache rows (prefilling their prompts) and drops cancelled ones,
+  2. asks the controller for k given the batch size, drafts k tokens for every active sequence
+     (one batched draft forward per position, or each sequence's model-free drafter),
+  3. verifies all drafts in ONE target forward over (n, 1 + k) tokens: ragged prefixes are
+     handled by per-row cache lengths, positions and attention masks; rows with shorter drafts
+     are padded on the right, and padding is never committed,
+  4. accepts/rejects per sequence with `verify` (its own sampling settings and generator), commits,
+     streams text, and retires finished sequences, compacting rows so active ones stay at 0 .. n-1.
+
+The target cache invariant is the engine's: each row holds its committed tokens except the newest
+(pending) one, which is the first input of the next verify pass. Greedy output is therefore the
+target's own argmax chain, the same tokens a single request gets through the library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+
+import torch
+
+from verispec.drafters import PromptLookupDrafter, SuffixIndexDrafter
+from verispec.drafters.base import Drafter, Proposal
+from verispec.engine import GenerationConfig
+from verispec.models.loading import LoadedModel
+from verispec.models.transformer import Transformer
+from verispec.policy import AdaptiveController, ControllerSettings
+from verispec.sampling import logits_to_probs
+from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.stopping import TextAssembler
+from verispec.verify import verify
+
+if TYPE_CHECKING:
+    from verispec.serving.metrics import ServerMetrics
+
+SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "none")
+_MODEL_FREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
+    "prompt-lookup": PromptLookupDrafter,
+    "suffix-index": SuffixIndexDrafter,
+}
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int = 16  # sequences decoded together; later requests wait in a queue
+    max_waiting: int = 256  # queued requests beyond this are refused (HTTP 429)
+    max_context: int = 4096  # prompt + max_new_tokens per sequence (each KV cache row holds this many)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests waiting: the client should retry later."""
+
+
+@dataclass
+class SequenceStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0  # batched verify steps this sequence took part in
+    time_to_first_token: float | None = None  # seconds from submit to the first generated token
+    total_seconds: float = 0.0  # submit to finish
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "target_forwards": self.target_forwards,
+            "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
+            "time_to_first_token": self.time_to_first_token,
+            "total_seconds": round(self.total_seconds, 4),
+        }
+
+
+@dataclass
+class SequenceEvent:
+    text: str  # newly released text, possibly ""
+    token_ids: list[int]  # newly generated token ids
+    finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
+    stats: SequenceStats = field(default_factory=SequenceStats)  # a snapshot; final when finish_reason is set
+    error: str | None = None  # message when finish_reason == "error"
+
+
+class RequestHandle:
+    """The caller's side of one request: its events, and a way to cancel it."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id = f"req-{next(self._ids)}"
+        self.cancelled = threading.Event()
+        self._loop = loop
+        self._async_queue: asyncio.Queue[SequenceEvent] | None = asyncio.Queue() if loop is not None else None
+        self._sync_queue: queue.Queue[SequenceEvent] = queue.Queue()
+
+    def cancel(self) -> None:
+        """Thread-safe; the scheduler frees the sequence's row before its next step."""
+        self.cancelled.set()
+
+    def _put(self, event: SequenceEvent) -> None:  # called from the scheduler thread
+        if self._async_queue is None:
+            self._sync_queue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def events(self) -> AsyncIterator[SequenceEvent]:
+        """Events until (and including) the one with finish_reason set. Needs submit() from this loop."""
+        if self._async_queue is None:
+            raise RuntimeError("events() needs the request submitted from a running event loop; use iter_events()")
+        while True:
+            event = await self._async_queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def iter_events(self) -> Iterator[SequenceEvent]:
+        """Blocking version of events(), for requests submitted outside an event loop."""
+        while True:
+            event = self._sync_queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Sequence:
+    handle: RequestHandle
+    prompt_ids: list[int]
+    config: GenerationConfig
+    tokens: list[int]  # every committed token; the last one is pending (not yet in the target cache)
+    generator: torch.Generator
+    text: TextAssembler
+    eos: frozenset[int]
+    submitted: float
+    drafter: Drafter | None = None  # a model-free drafter of its own (the draft model is shared, batched)
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    last_emit: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return len(self.text.token_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - (len(self.tokens) - len(self.prompt_ids))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft_model: Transformer | None = None,
+        drafter: str = "none",
+        k: int | str = "auto",
+        k_max: int = 8,
+        limits: SchedulerLimits = SchedulerLimits(),
+        metrics: "ServerMetrics | None" = None,
+    ) -> None:
+        if drafter not in SERVED_DRAFTERS:
+            raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
+        if (drafter == "draft-model") != (draft_model is not None):
+            raise ValueError("drafter 'draft-model' needs a draft model, and only it uses one")
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"k must be 'auto' or an integer >= 0, got {k!r}")
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}")
+        for name in ("max_batch_size", "max_waiting", "max_context"):
+            if getattr(limits, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
+        model_context = target.model.config.max_position_embeddings
+        if limits.max_context > model_context:
+            raise ValueError(
+                f"max_context {limits.max_context} exceeds the target's context of {model_context} tokens"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.k = k if drafter != "none" else 0
+        self.k_max = k_max if k == "auto" else max(int(k), 1)
+        self.limits = limits
+        self.metrics = metrics
+        self.controller = AdaptiveController(ControllerSettings(k_max=self.k_max))
+        # Room for the verify pass's draft tokens after the longest sequence.
+        capacity = limits.max_context + self.k_max + 2
+        self.cache = target.model.new_cache(limits.max_batch_size, capacity)
+        self.draft = (
+            BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
+            if draft_model is not None
+            else None
+        )
+        self.active: list[_Sequence] = []  # active[i] lives in cache row i
+        self._waiting: queue.Queue[_Sequence] = queue.Queue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # -- the caller's side ------------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting.qsize()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, prompt_ids: list[int], config: GenerationConfig) -> RequestHandle:
+        """Queue a request; its events arrive on the returned handle.
+
+        Raises ValueError for a request that can never run (empty, or longer than max_context) and
+        QueueFullError when max_waiting requests are already queued.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        total = len(prompt_ids) + config.max_new_tokens
+        if total > self.limits.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) = {total} exceeds the "
+                f"server's context of {self.limits.max_context} tokens; shorten the prompt or lower max_tokens"
+            )
+        if self._waiting.qsize() >= self.limits.max_waiting:
+            raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        handle = RequestHandle(loop)
+        eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
+        sequence = _Sequence(
+            handle=handle,
+            prompt_ids=list(prompt_ids),
+            config=config,
+            tokens=list(prompt_ids),
+            generator=torch.Generator().manual_seed(config.seed),
+            text=TextAssembler(self.target.decode, config.stop_strings),
+            eos=frozenset(eos),
+            submitted=time.perf_counter(),
+            stats=SequenceStats(prompt_tokens=len(prompt_ids)),
+        )
+        self._waiting.put(sequence)
+        self._report_queue()
+        self._wakeup.set()
+        return handle
+
+    # -- the model thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
+                self._admit()
+                if not self.active:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+            except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+                self._fail_active(f"decoding failed: {type(error).__name__}: {error}")
+            except BaseException as error:  # a dead model thread must show in /health, and no caller may hang
+                self.failure = error
+                self._fail_active(f"the decoding loop stopped: {type(error).__name__}")
+                while not self._waiting.empty():
+                    self._waiting.get_nowait().handle._put(SequenceEvent("", [], "error", error="server stopping"))
+                raise
+
+    def _fail_active(self, message: str) -> None:
+        """End every active sequence with an error event; their rows are simply reused."""
+        for sequence in self.active:
+            sequence.handle._put(SequenceEvent("", [], "error", _copy(sequence.stats), message))
+            if self.metrics is not None:
+                self.metrics.request_finished("error", sequence.stats.prompt_tokens, sequence.stats.completion_tokens)
+        self.active = []
+        self._report_queue()
+
+    def _admit(self) -> None:
+        while len(self.active) < self.limits.max_batch_size and not self._waiting.empty():
+            sequence = self._waiting.get_nowait()
+            if sequence.handle.cancelled.is_set():
+                self._finish(sequence, "cancelled")
+                continue
+            row = len(self.active)
+            self._prefill(row, sequence)
+            self.active.append(sequence)
+        self._report_queue()
+
+    def _prefill(self, row: int, sequence: _Sequence) -> None:
+        """All prompt tokens but the last into the row's target (and draft) cache."""
+        prompt = sequence.prompt_ids
+        self.cache.lengths[row] = 0
+        if len(prompt) > 1:
+            view = self.cache.rows(row, row + 1)
+            self.target.model.forward(torch.tensor([prompt[:-1]]), view, last_only=True)
+            view.commit(len(prompt) - 1)
+        if self.draft is not None:
+            self.draft.add(row, prompt)
+        elif self.drafter in _MODEL_FREE_DRAFTERS:
+            sequence.drafter = _MODEL_FREE_DRAFTERS[self.drafter]()
+            sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
+
+    def _choose_k(self, batch_size: int) -> int:
+        if self.drafter == "none":
+            return 0
+        return self.controller.choose_k(batch_size) if self.k == "auto" else int(self.k)
+
+    def _draft(self, k_per_row: list[int]) -> list[Proposal]:
+        active = self.active
+        k_step = max(k_per_row)
+        if k_step == 0:
+            return [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
+        if self.draft is not None:
+            proposals = self.draft.propose(
+                [s.tokens for s in active], k_step,
+                [s.config.sampling for s in active], [s.generator for s in active],
+            )
+        else:
+            proposals = [
+                s.drafter.propose(s.tokens, k, s.config.sampling, s.generator) if k > 0
+                else Proposal(torch.empty(1, 0, dtype=torch.long), None)
+                for s, k in zip(active, k_per_row)
+            ]
+        trimmed = []  # a row near its max_tokens keeps only drafts it can still use
+        for proposal, k in zip(proposals, k_per_row):
+            if proposal.num_tokens > k:
+                probs = proposal.probs[:, :k] if proposal.probs is not None else None
+                proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
+            trimmed.append(proposal)
+        return trimmed
+
+    def _step(self) -> None:
+        active = self.active
+        n = len(active)
+        started = time.perf_counter()
+        k = self._choose_k(n)
+        proposals = self._draft([max(0, min(k, s.remaining - 1)) for s in active])
+        verifying = time.perf_counter()
+
+        # One target forward over every row's [pending, drafts...], right-padded to the longest.
+        width = 1 + max(p.num_tokens for p in proposals)
+        inputs = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, 1 + k)
+        for b, (sequence, proposal) in enumerate(zip(active, proposals)):
+            inputs[b, 0] = sequence.tokens[-1]
+            inputs[b, 1 : 1 + proposal.num_tokens] = proposal.token_ids[0]
+        logits = self.target.model.forward(inputs, self.cache.rows(0, n))  # (n, 1 + k, V)
+
+        accepted: list[int] = []
+        new_tokens: list[list[int]] = []
+        for b, (sequence, proposal) in enumerate(zip(active, proposals)):
+            used = 1 + proposal.num_tokens
+            p = logits_to_probs(logits[b : b + 1, :used], sequence.config.sampling)  # (1, 1 + k_b, V)
+            result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
+            accepted.append(int(result.num_accepted[0]))
+            new_tokens.append(result.token_ids[0, : accepted[-1] + 1].tolist())
+        self.cache.rows(0, n).commit(torch.tensor(accepted) + 1)
+        finished_at = time.perf_counter()
+
+        drafted_by_position = [0] * (width - 1)
+        accepted_by_position = [0] * (width - 1)
+        done: list[tuple[_Sequence, str]] = []
+        for sequence, proposal, num_accepted, tokens in zip(active, proposals, accepted, new_tokens):
+            drafted = proposal.num_tokens
+            for position in range(drafted):
+                drafted_by_position[position] += 1
+                accepted_by_position[position] += position < num_accepted
+            stats = sequence.stats
+            stats.drafted_tokens += drafted
+            stats.accepted_tokens += num_accepted
+            stats.target_forwards += 1
+            self.controller.observe(
+                proposal.source or self.drafter, drafted, num_accepted,
+                verifying - started, n * width, finished_at - verifying, batch_size=n,
+            )
+            sequence.tokens.extend(tokens)
+            finish_reason = self._emit(sequence, tokens, finished_at)
+            if finish_reason is not None:
+                done.append((sequence, finish_reason))
+        if self.metrics is not None:
+            self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
+        for sequence, reason in done:
+            self._retire([sequence], reason, emitted=True)
+
+    def _emit(self, sequence: _Sequence, tokens: list[int], now: float) -> str | None:
+        """Stream one step's tokens of a sequence; the finish reason when it is done (eos, stop, length)."""
+        config, text = sequence.config, sequence.text
+        kept = tokens[: config.max_new_tokens - sequence.generated]
+        eos_at = next((i for i, t in enumerate(kept) if t in sequence.eos), None)
+        if eos_at is not None:
+            kept = kept[: eos_at + 1]
+        before = sequence.generated
+        text.add(kept)
+        added = text.token_ids[before:]
+        stats = sequence.stats
+        if added and stats.time_to_first_token is None:
+            stats.time_to_first_token = now - sequence.submitted
+            if self.metrics is not None:
+                self.metrics.first_token(stats.time_to_first_token)
+        elif added and self.metrics is not None:
+            self.metrics.token_latency((now - sequence.last_emit) / len(added), len(added))
+        if added:
+            sequence.last_emit = now
+            if self.metrics is not None:
+                self.metrics.tokens_generated(len(added))
+        finish_reason = None
+        if eos_at is not None or text.stopped:
+            finish_reason = "stop"
+        elif sequence.generated >= config.max_new_tokens:
+            finish_reason = "length"
+        stats.completion_tokens = sequence.generated
+        if finish_reason is not None:
+            stats.total_seconds = now - sequence.submitted
+        sequence.handle._put(SequenceEvent(text.release(final=finish_reason is not None), added, finish_reason, _copy(stats)))
+        return finish_reason
+
+    def _retire(self, sequences: list[_Sequence], reason: str, emitted: bool = False) -> None:
+        """Remove finished or cancelled sequences and move the survivors down to rows 0 .. n-1."""
+        if not sequences:
+            return
+        leaving = {id(s) for s in sequences}
+        for sequence in sequences:
+            if not emitted:
+                self._finish(sequence, reason)
+            elif self.metrics is not None:
+                stats = sequence.stats
+                self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
+        survivors = [s for s in self.active if id(s) not in leaving]
+        rows = {id(s): row for row, s in enumerate(self.active)}
+        for row, sequence in enumerate(survivors):
+            old = rows[id(sequence)]
+            if old != row:
+                self.cache.move_row(old, row)
+                if self.draft is not None:
+                    self.draft.move(old, row)
+        self.active = survivors
+        self._report_queue()
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        """End a sequence that has not sent its final event yet (cancelled)."""
+        stats = sequence.stats
+        stats.total_seconds = time.perf_counter() - sequence.submitted
+        sequence.handle._put(SequenceEvent("", [], reason, _copy(stats)))
+        if self.metrics is not None:
+            self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
+
+    def _report_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue(len(self.active), self._waiting.qsize())
+
+
+def _copy(stats: SequenceStats) -> SequenceStats:
+    return SequenceStats(**vars(stats))
+
+
+def build_scheduler(
+    target: str,
+    draft: str | None,
+    drafter: str,
+    dtype: str = "auto",
+    draft_quantize: str = "auto",
+    k: int | str = "auto",
+    k_max: int = 8,
+    limits: SchedulerLimits = SchedulerLimits(),
+    metrics: "ServerMetrics | None" = None,
+    progress: bool = False,
+) -> Scheduler:
+    """Load the models named on the command line and build (not start) a scheduler over them."""
+    from verispec.drafters import load_draft_model
+    from verispec.models.loading import load_model
+
+    if drafter not in SERVED_DRAFTERS:
+        raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
+    target_model = load_model(target, dtype, progress)
+    draft_model = None
+    if drafter == "draft-model":
+        if draft is None or draft.lower() == "none":
+            raise ValueError("drafter 'draft-model' needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+        draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress).model
+    limits = SchedulerLimits(
+        limits.max_batch_size, limits.max_waiting,
+        min(limits.max_context, target_model.model.config.max_position_embeddings),
+    )
+    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics)
