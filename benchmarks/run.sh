@@ -27,8 +27,20 @@ proposal() {  # proposal cost against context length: prompt lookup rescans, the
     .venv/bin/python benchmarks/proposal_time.py > benchmarks/proposal_time.md
 }
 
+serve() {  # the HTTP server at 1, 4 and 16 concurrent streaming clients, with and without speculation.
+    local pids=()
+    trap 'kill "${pids[@]}" 2>/dev/null || true' RETURN
+    $V serve --drafter none --port 8101 --dtype bfloat16 --threads 2 --max-batch-size 16 --max-context 2048 & pids+=($!)
+    $V serve --drafter draft-model --port 8102 --dtype bfloat16 --threads 2 --max-batch-size 16 --max-context 2048 & pids+=($!)
+    for port in 8101 8102; do
+        until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 2; done
+    done
+    $V bench-serve --server plain=http://127.0.0.1:8101/v1 --server spec=http://127.0.0.1:8102/v1 \
+        --workload humaneval --limit 32 --concurrency 1,4,16 --requests-per-client 2 --max-tokens 128 --out benchmarks/serve
+}
+
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal)
+[ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve)
 for section in "${sections[@]}"; do
     "${section//-/_}"
 done

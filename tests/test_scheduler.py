@@ -113,8 +113,8 @@ def test_limits_are_enforced(target):
         scheduler.submit(list(range(60)), GenerationConfig(max_new_tokens=10))
     with pytest.raises(ValueError, match="empty"):
         scheduler.submit([], GenerationConfig(max_new_tokens=10))
-    scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
-    scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    for _ in range(3):  # one for the free row, two waiting
+        scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
     with pytest.raises(QueueFullError):
         scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="max_context"):
@@ -163,3 +163,34 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
             batched.move(1, 0)
             batched.move(2, 1)
             sequences, singles = sequences[1:], singles[1:]
+
+
+def test_stop_ends_every_request_and_refuses_new_ones(target):
+    scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(max_batch_size=1, max_context=400))
+    handles = [scheduler.submit([1, 2, 3], GenerationConfig(max_new_tokens=300)) for _ in range(3)]
+    scheduler.start()
+    first = handles[0].iter_events()
+    next(first)  # the first request is decoding, the others wait
+    scheduler.stop()
+    assert list(first)[-1].finish_reason == "error"
+    for handle in handles[1:]:
+        assert list(handle.iter_events())[-1].finish_reason == "error"
+    with pytest.raises(RuntimeError, match="not running"):
+        scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+
+
+def test_cancelled_waiting_requests_free_their_queue_slots(target):
+    scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(max_batch_size=1, max_waiting=1, max_context=400))
+    busy = scheduler.submit([1, 2, 3], GenerationConfig(max_new_tokens=300))
+    waiting = scheduler.submit([1, 2, 3], GenerationConfig(max_new_tokens=4))  # a free row is counted as room
+    with pytest.raises(QueueFullError):
+        scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    waiting.cancel()
+    scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
+    busy.cancel()
+    scheduler.start()
+    try:
+        assert list(waiting.iter_events())[-1].finish_reason == "cancelled"
+        assert list(busy.iter_events())[-1].finish_reason == "cancelled"
+    finally:
+        scheduler.stop()

@@ -1,9 +1,10 @@
-"""Command line: `verispec generate` and `verispec models`."""
+"""Command line: `verispec generate`, `serve`, `bench`, `bench-serve` and `models`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -31,6 +32,13 @@ def _non_negative_int(text: str) -> int:
 
 def _k_value(text: str) -> int | str:
     return "auto" if text == "auto" else _non_negative_int(text)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,9 +78,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
 
+    from verispec.serving.scheduler import SERVED_DRAFTERS, SchedulerLimits
+
+    defaults = SchedulerLimits()
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF directory")
+    serve.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
+    serve.add_argument(
+        "--drafter", default="draft-model", choices=SERVED_DRAFTERS,
+        help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, or none",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument(
+        "--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantization of the draft model (lossless: only acceptance changes)",
+    )
+    serve.add_argument("--k", type=_k_value, default="auto", help="draft tokens per step, or 'auto' (default)")
+    serve.add_argument("--k-max", type=_positive_int, default=8, help="the longest draft 'auto' considers")
+    serve.add_argument("--max-batch-size", type=_positive_int, default=defaults.max_batch_size,
+                       help="sequences decoded together; later requests wait")
+    serve.add_argument("--max-waiting", type=_positive_int, default=defaults.max_waiting,
+                       help="queued requests beyond this are refused with HTTP 429")
+    serve.add_argument("--max-context", type=_positive_int, default=defaults.max_context,
+                       help="prompt + max_tokens per request (lowered to the model's context)")
+    serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
+                       help="larger request bodies are refused with HTTP 413")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    serve.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+
     from verispec.bench.command import add_arguments
 
     add_arguments(commands.add_parser("bench", help="measure plain vs speculative decoding (and peers) on a workload"))
+    from verispec.bench import serve_load
+
+    serve_load.add_arguments(
+        commands.add_parser("bench-serve", help="load-test running OpenAI-compatible servers at 1, 4, 16... clients")
+    )
     commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
     return parser
 
@@ -145,6 +188,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the server's socket before loading models, so a taken port fails at once and clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from verispec.serving.app import create_app
+    from verispec.serving.metrics import ServerMetrics
+    from verispec.serving.scheduler import SchedulerLimits, build_scheduler
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sock = _listen(args.host, args.port)
+    drafter = "none" if args.drafter == "draft-model" and args.draft.lower() == "none" else args.drafter
+    metrics = ServerMetrics()
+    limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context)
+    try:
+        scheduler = build_scheduler(
+            args.target, args.draft if drafter == "draft-model" else None, drafter, args.dtype, args.draft_quantize,
+            args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    model_name = args.served_model_name or args.target
+    app = create_app(scheduler, model_name, args.max_request_bytes, metrics)
+    print(
+        f"verispec: serving {model_name!r} (drafter {drafter}, k {args.k}, batch {limits.max_batch_size}, "
+        f"context {scheduler.limits.max_context}) on http://{args.host}:{sock.getsockname()[1]}/v1",
+        file=sys.stderr,
+    )
+    scheduler.start()
+    try:
+        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        scheduler.stop()
+        sock.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with benchmark results
@@ -155,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
             from verispec.bench.command import run_bench
 
             return run_bench(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "bench-serve":
+            from verispec.bench.serve_load import run_bench_serve
+
+            return run_bench_serve(args, args.argv[1:])
         return cmd_generate(args)
     except (ModelNotInstalledError, ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"verispec: error: {error}", file=sys.stderr)

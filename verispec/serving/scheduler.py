@@ -18,6 +18,7 @@ target's own argmax chain, the same tokens a single request gets through the lib
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import threading
@@ -84,7 +85,7 @@ class SequenceStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "target_forwards": self.target_forwards,
             "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
-            "time_to_first_token": self.time_to_first_token,
+            "time_to_first_token": None if self.time_to_first_token is None else round(self.time_to_first_token, 4),
             "total_seconds": round(self.total_seconds, 4),
         }
 
@@ -208,7 +209,8 @@ class Scheduler:
             else None
         )
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
-        self._waiting: queue.Queue[_Sequence] = queue.Queue()
+        self._waiting: collections.deque[_Sequence] = collections.deque()  # submitted, not yet admitted
+        self._lock = threading.Lock()  # guards _waiting and the admission check
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -222,7 +224,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting.qsize()
+        """Requests queued for a row (cancelled ones no longer count)."""
+        return sum(not s.handle.cancelled.is_set() for s in list(self._waiting))
 
     @property
     def healthy(self) -> bool:
@@ -243,8 +246,11 @@ class Scheduler:
         """Queue a request; its events arrive on the returned handle.
 
         Raises ValueError for a request that can never run (empty, or longer than max_context) and
-        QueueFullError when max_waiting requests are already queued.
+        QueueFullError when max_waiting requests already wait beyond the free batch rows, and
+        RuntimeError once the scheduler was stopped or its loop died.
         """
+        if self._stopping.is_set() or self.failure is not None:
+            raise RuntimeError("the scheduler is not running")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         total = len(prompt_ids) + config.max_new_tokens
@@ -253,8 +259,6 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) = {total} exceeds the "
                 f"server's context of {self.limits.max_context} tokens; shorten the prompt or lower max_tokens"
             )
-        if self._waiting.qsize() >= self.limits.max_waiting:
-            raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -272,7 +276,11 @@ class Scheduler:
             submitted=time.perf_counter(),
             stats=SequenceStats(prompt_tokens=len(prompt_ids)),
         )
-        self._waiting.put(sequence)
+        with self._lock:
+            free_rows = self.limits.max_batch_size - len(self.active)
+            if self.num_waiting >= self.limits.max_waiting + max(free_rows, 0):
+                raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
+            self._waiting.append(sequence)
         self._report_queue()
         self._wakeup.set()
         return handle
@@ -283,6 +291,7 @@ class Scheduler:
         while not self._stopping.is_set():
             try:
                 self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
+                self._drop_cancelled_waiting()
                 self._admit()
                 if not self.active:
                     self._wakeup.wait(timeout=0.5)
@@ -293,10 +302,25 @@ class Scheduler:
                 self._fail_active(f"decoding failed: {type(error).__name__}: {error}")
             except BaseException as error:  # a dead model thread must show in /health, and no caller may hang
                 self.failure = error
-                self._fail_active(f"the decoding loop stopped: {type(error).__name__}")
-                while not self._waiting.empty():
-                    self._waiting.get_nowait().handle._put(SequenceEvent("", [], "error", error="server stopping"))
+                self._fail_all(f"the decoding loop stopped: {type(error).__name__}")
                 raise
+        self._fail_all("the server is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        self._fail_active(message)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for sequence in waiting:
+            sequence.handle._put(SequenceEvent("", [], "error", _copy(sequence.stats), message))
+        self._report_queue()
+
+    def _drop_cancelled_waiting(self) -> None:
+        with self._lock:
+            cancelled = [s for s in self._waiting if s.handle.cancelled.is_set()]
+            if cancelled:
+                self._waiting = collections.deque(s for s in self._waiting if not s.handle.cancelled.is_set())
+        for sequence in cancelled:
+            self._finish(sequence, "cancelled")
 
     def _fail_active(self, message: str) -> None:
         """End every active sequence with an error event; their rows are simply reused."""
@@ -308,8 +332,11 @@ class Scheduler:
         self._report_queue()
 
     def _admit(self) -> None:
-        while len(self.active) < self.limits.max_batch_size and not self._waiting.empty():
-            sequence = self._waiting.get_nowait()
+        while len(self.active) < self.limits.max_batch_size:
+            with self._lock:
+                if not self._waiting:
+                    break
+                sequence = self._waiting.popleft()
             if sequence.handle.cancelled.is_set():
                 self._finish(sequence, "cancelled")
                 continue
@@ -477,7 +504,7 @@ class Scheduler:
 
     def _report_queue(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_queue(len(self.active), self._waiting.qsize())
+            self.metrics.set_queue(len(self.active), self.num_waiting)
 
 
 def _copy(stats: SequenceStats) -> SequenceStats:

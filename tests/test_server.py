@@ -1,0 +1,554 @@
+"""`verispec serve` end to end: a real server process, the official openai client, raw httpx for bad input.
+
+One server (module scope) serves the tiny float32 model with itself as draft (k = 3), so greedy
+text must equal the library's plain decoding and every draft is checked by the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from verispec.cli import main
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import LoadedModel
+from verispec.serving.app import create_app
+from verispec.serving.metrics import ServerMetrics
+from verispec.serving.protocol import validation_error
+from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+MODEL = "tiny"
+MAX_BATCH_SIZE = 8
+MAX_WAITING = 32  # room for the 32 concurrent clients below even before the loop admits any
+MAX_REQUEST_BYTES = 64 * 1024
+CONTEXT = 512  # the tiny model's max_position_embeddings
+WORDS = ["def", "add", "(a, b):", "return", "class", "Point", "for i in", "range(10)", "print", "total"]
+PROMPTS = [" ".join(WORDS[i % 7 : i % 7 + 1 + i % 4]) + f" {i}" for i in range(32)]  # 32 distinct, ragged
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory) -> str:
+    """Base URL of a running `verispec serve`; its log is shown if it fails to come up."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_dir), "--draft", str(tiny_dir),
+        "--dtype", "float32", "--port", str(port), "--threads", "1", "--k", "3",
+        "--max-batch-size", str(MAX_BATCH_SIZE), "--max-waiting", str(MAX_WAITING),
+        "--max-request-bytes", str(MAX_REQUEST_BYTES), "--served-model-name", MODEL,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not become healthy:\n{log_path.read_text()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def library(target, prompt: str, max_new_tokens: int, stop: tuple[str, ...] = (), eos: tuple[int, ...] | None = None):
+    """What the library's plain greedy decoding gives for the same prompt."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=stop, eos_token_ids=eos)
+    return SpeculativeEngine(target, None).generate(prompt, config)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (name, sorted labels)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
+
+def total(samples: dict, name: str) -> float:
+    return sum(value for (sample_name, _), value in samples.items() if sample_name == name)
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict:
+    """/health once no request is active or waiting; fails the test if that does not happen in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if health["active"] == 0 and health["waiting"] == 0:
+            return health
+        if time.monotonic() > deadline:
+            pytest.fail(f"requests still running after {timeout}s: {health}")
+        time.sleep(0.05)
+
+
+def good(**extra) -> dict:
+    """A small valid completion request, with changes."""
+    return {"model": MODEL, "prompt": "def", "max_tokens": 2, **extra}
+
+
+def chat(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+
+
+def check_speculative(speculative: dict, completion_tokens: int) -> None:
+    assert 0 < speculative["drafted_tokens"]  # k = 3: every request with room drafts
+    assert 0 <= speculative["accepted_tokens"] <= speculative["drafted_tokens"]
+    rate = speculative["accepted_tokens"] / speculative["drafted_tokens"]
+    assert speculative["acceptance_rate"] == pytest.approx(rate, abs=1e-4)
+    assert 1 <= speculative["target_forwards"] <= completion_tokens
+    per_forward = completion_tokens / speculative["target_forwards"]
+    assert speculative["tokens_per_target_forward"] == pytest.approx(per_forward, abs=1e-4)
+    assert 0 < speculative["time_to_first_token"] <= speculative["total_seconds"] + 1e-4  # total is rounded
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def test_completion_greedy_equals_library(client, target):
+    prompt = "def add(a, b):"
+    expected = library(target, prompt, 40)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert response.object == "text_completion" and response.model == MODEL and response.id.startswith("cmpl-")
+    assert response.usage.prompt_tokens == len(target.encode(prompt))
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    check_speculative(response.model_extra["speculative"], len(expected.token_ids))
+
+
+def test_chat_greedy_equals_library(client, target):
+    expected = library(target, target.apply_chat_template("Write a loop"), 30)
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a loop"}], max_completion_tokens=30, temperature=0
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    check_speculative(response.model_extra["speculative"], len(expected.token_ids))
+
+
+def test_token_id_prompt_and_stop_string_match_library(client, target):
+    prompt = "class Point:"
+    full = library(target, prompt, 30).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = library(target, prompt, 30, stop=(stop,))
+    assert len(expected.text) < len(full)  # the stop string really cuts the text
+    response = client.completions.create(
+        model=MODEL, prompt=target.encode(prompt), max_tokens=30, temperature=0, stop=[stop]
+    )
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_concatenation_equals_whole_response(client, endpoint):
+    def create(**kwargs):
+        if endpoint == "chat":
+            messages = [{"role": "user", "content": "for i in"}]
+            return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+        return client.completions.create(model=MODEL, prompt="for i in", **kwargs)
+
+    whole = create(max_tokens=48, temperature=0)
+    chunks = list(create(max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True}))
+    if endpoint == "chat":
+        assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+    else:
+        assert chunks[0].object == "text_completion"
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert len({c.id for c in chunks}) == 1
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == whole.choices[0].finish_reason and set(finish[:-1]) == {None}
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    check_speculative(usage_chunk.model_extra["speculative"], whole.usage.completion_tokens)
+
+
+def test_sse_wire_format(server):
+    body = chat(max_tokens=12, temperature=0, stream=True)
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert all(event.startswith("data: ") for event in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = payloads[-1]["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] in ("stop", "length")
+    assert all(p["object"] == "chat.completion.chunk" and "usage" not in p for p in payloads)
+
+
+def test_same_seed_same_sample(client):
+    kwargs = dict(model=MODEL, prompt="print", max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+    first = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs).choices[0].text == first
+
+
+def test_extensions_top_k_and_ignore_eos(client, target):
+    """Sampling with top_k=1 is greedy; ignore_eos runs to max_tokens like the library without eos ids."""
+    expected = library(target, "def greet(name):", 60, eos=())
+    response = client.completions.create(
+        model=MODEL, prompt="def greet(name):", max_tokens=60, temperature=1.0, seed=5,
+        extra_body={"top_k": 1, "ignore_eos": True},
+    )
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 60
+
+
+def test_32_concurrent_streams_each_equal_their_single_output(server, target):
+    expected = [library(target, prompt, 16).text for prompt in PROMPTS]
+    before = scrape(server)
+
+    async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> str:
+        chunks = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in chunks if chunk.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60) as aclient:
+            return await asyncio.gather(*(stream(aclient, prompt) for prompt in PROMPTS))
+
+    outputs = asyncio.run(run_all())
+    assert outputs == expected
+    health = wait_idle(server)
+    assert health["status"] == "ok"
+    after = scrape(server)
+    steps = total(after, "verispec_batch_size_count") - total(before, "verispec_batch_size_count")
+    sequences = total(after, "verispec_batch_size_sum") - total(before, "verispec_batch_size_sum")
+    assert sequences / steps > 1.5  # the requests really shared target forwards
+    buckets = {labels: value for (name, labels), value in after.items() if name == "verispec_batch_size_bucket"}
+    assert buckets[(("le", "8.0"),)] == buckets[(("le", "+Inf"),)]  # never more than --max-batch-size
+
+
+# -- models, health, metrics ---------------------------------------------------------------------
+
+
+def test_models_and_health(client, server):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert wait_idle(server) == {"status": "ok", "active": 0, "waiting": 0}
+
+
+def test_metrics_count_what_responses_report(client, server):
+    wait_idle(server)
+    before = scrape(server)
+    response = client.completions.create(model=MODEL, prompt="total", max_tokens=20, temperature=0)
+    wait_idle(server)  # the scheduler retires a request (and counts it) just after sending its last event
+    after = scrape(server)
+    for name in (
+        "verispec_requests_total", "verispec_prompt_tokens_total", "verispec_generation_tokens_total",
+        "verispec_draft_tokens_total", "verispec_accepted_tokens_total", "verispec_time_to_first_token_seconds_count",
+        "verispec_time_per_output_token_seconds_count", "verispec_batch_size_count",
+        "verispec_step_duration_seconds_count",
+        "verispec_requests_active", "verispec_requests_waiting", "verispec_http_requests_total",
+    ):
+        assert any(sample_name == name for sample_name, _ in after), name
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    speculative = response.model_extra["speculative"]
+    assert delta("verispec_requests_total") == 1
+    assert delta("verispec_prompt_tokens_total") == response.usage.prompt_tokens
+    assert delta("verispec_generation_tokens_total") == response.usage.completion_tokens
+    assert delta("verispec_draft_tokens_total") == speculative["drafted_tokens"]
+    assert delta("verispec_accepted_tokens_total") == speculative["accepted_tokens"]
+    assert delta("verispec_batch_size_count") == speculative["target_forwards"]
+    assert delta("verispec_time_to_first_token_seconds_count") == 1
+    ok = ("verispec_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    assert after[ok] == before.get(ok, 0) + 1
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+LONG_PROMPT = "def add(a, b): " * 200  # well over the 512-token context
+
+
+def oversized_chunks():
+    """A body without Content-Length (chunked), larger than --max-request-bytes."""
+    yield b'{"prompt": "'
+    for _ in range(MAX_REQUEST_BYTES // 1024 + 1):
+        yield b"a" * 1024
+    yield b'"}'
+
+
+class Bad(NamedTuple):
+    request: str  # "METHOD /path"
+    body: dict | bytes | Callable | None  # JSON, raw bytes, or a generator of chunks
+    status: int
+    code: str | None = None
+    param: str | None = None
+    content_type: str = "application/json"
+
+
+COMPLETIONS, CHAT = "POST /v1/completions", "POST /v1/chat/completions"
+CONTEXT_EXCEEDED, UNSUPPORTED = "context_length_exceeded", "unsupported_parameter"
+IMAGE = [{"role": "user", "content": [{"type": "image_url"}]}]
+LONG_CHAT = [{"role": "user", "content": LONG_PROMPT}]
+
+BAD_REQUESTS = {
+    "malformed-json": Bad(COMPLETIONS, b'{"prompt": ', 400),
+    "body-is-a-list": Bad(COMPLETIONS, b"[1, 2]", 400),
+    "body-is-null": Bad(CHAT, b"null", 400),
+    "empty-body": Bad(COMPLETIONS, b"", 400),
+    "not-utf8": Bad(COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400),
+    "lone-surrogate": Bad(COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400),
+    "deeply-nested": Bad(COMPLETIONS, b"[" * 50_000, 400),
+    "nan": Bad(COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400),
+    "text-content-type": Bad(COMPLETIONS, good(), 415, "unsupported_media_type", content_type="text/plain"),
+    "unknown-model": Bad(COMPLETIONS, good(model="gpt-4"), 404, "model_not_found", "model"),
+    "chat-unknown-model": Bad(CHAT, chat(model="gpt-4"), 404, "model_not_found", "model"),
+    "missing-prompt": Bad(COMPLETIONS, {"model": MODEL}, 400, "missing_required_parameter", "prompt"),
+    "missing-messages": Bad(CHAT, {"model": MODEL}, 400, "missing_required_parameter", "messages"),
+    "empty-prompt": Bad(COMPLETIONS, good(prompt=""), 400, None, "prompt"),
+    "empty-token-list": Bad(COMPLETIONS, good(prompt=[]), 400, None, "prompt"),
+    "batched-prompts": Bad(COMPLETIONS, good(prompt=["a", "b"]), 400, None, "prompt"),
+    "token-out-of-vocabulary": Bad(COMPLETIONS, good(prompt=[1, 10**9]), 400, None, "prompt"),
+    "prompt-wrong-type": Bad(COMPLETIONS, good(prompt={"text": "x"}), 400, None, "prompt"),
+    "empty-messages": Bad(CHAT, chat(messages=[]), 400, None, "messages"),
+    "bad-role": Bad(CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, None, "messages[0].role"),
+    "image-content": Bad(CHAT, chat(messages=IMAGE), 400, None, "messages[0].content"),
+    "prompt-too-long": Bad(COMPLETIONS, good(prompt=LONG_PROMPT), 400, CONTEXT_EXCEEDED, "prompt"),
+    "chat-too-long": Bad(CHAT, chat(messages=LONG_CHAT), 400, CONTEXT_EXCEEDED, "messages"),
+    "max-tokens-zero": Bad(COMPLETIONS, good(max_tokens=0), 400, None, "max_tokens"),
+    "max-tokens-negative": Bad(CHAT, chat(max_completion_tokens=-5), 400, None, "max_completion_tokens"),
+    "max-tokens-float": Bad(COMPLETIONS, good(max_tokens=2.5), 400, None, "max_tokens"),
+    "max-tokens-past-context": Bad(COMPLETIONS, good(max_tokens=CONTEXT), 400, CONTEXT_EXCEEDED, "max_tokens"),
+    "chat-past-context": Bad(CHAT, chat(max_completion_tokens=CONTEXT), 400, CONTEXT_EXCEEDED, "max_completion_tokens"),
+    "temperature-string": Bad(COMPLETIONS, good(temperature="hot"), 400, None, "temperature"),
+    "temperature-high": Bad(CHAT, chat(temperature=2.5), 400, None, "temperature"),
+    "temperature-negative": Bad(COMPLETIONS, good(temperature=-0.1), 400, None, "temperature"),
+    "top-p-zero": Bad(COMPLETIONS, good(top_p=0), 400, None, "top_p"),
+    "top-p-high": Bad(CHAT, chat(top_p=1.5), 400, None, "top_p"),
+    "seed-string": Bad(COMPLETIONS, good(seed="abc"), 400, None, "seed"),
+    "stream-string": Bad(COMPLETIONS, good(stream="yes"), 400, None, "stream"),
+    "stop-number": Bad(COMPLETIONS, good(stop=5), 400, None, "stop"),
+    "five-stops": Bad(COMPLETIONS, good(stop=["a", "b", "c", "d", "e"]), 400, None, "stop"),
+    "n-2": Bad(CHAT, chat(n=2), 400, UNSUPPORTED, "n"),
+    "best-of": Bad(COMPLETIONS, good(best_of=3), 400, UNSUPPORTED, "best_of"),
+    "echo": Bad(COMPLETIONS, good(echo=True), 400, UNSUPPORTED, "echo"),
+    "logprobs": Bad(COMPLETIONS, good(logprobs=1), 400, UNSUPPORTED, "logprobs"),
+    "chat-logprobs": Bad(CHAT, chat(logprobs=True), 400, UNSUPPORTED, "logprobs"),
+    "presence-penalty": Bad(COMPLETIONS, good(presence_penalty=0.5), 400, UNSUPPORTED, "presence_penalty"),
+    "frequency-penalty": Bad(CHAT, chat(frequency_penalty=-1), 400, UNSUPPORTED, "frequency_penalty"),
+    "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),
+    "too-large": Bad(COMPLETIONS, good(prompt="a" * MAX_REQUEST_BYTES), 413, "request_too_large"),
+    "too-large-chunked": Bad(COMPLETIONS, oversized_chunks, 413, "request_too_large"),
+    "unknown-path": Bad("POST /v1/engines", good(), 404, "not_found"),
+    "wrong-method": Bad("GET /v1/completions", None, 405, "method_not_allowed"),
+    "post-to-health": Bad("POST /health", good(), 405, "method_not_allowed"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_gets_openai_error_and_server_keeps_serving(server, case):
+    method, path = case.request.split()
+    content = json.dumps(case.body).encode() if isinstance(case.body, dict) else case.body
+    content = content() if callable(content) else content  # a generator: sent chunked, without Content-Length
+    headers = {"content-type": case.content_type}
+    response = httpx.request(method, f"{server}{path}", content=content, headers=headers, timeout=30)
+    assert response.status_code == case.status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["code"] == case.code and error["param"] == case.param
+    if case.status == 405:
+        assert response.headers["allow"]
+    after = httpx.post(f"{server}/v1/completions", json=good(), timeout=30)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
+
+
+# -- load and disconnects ------------------------------------------------------------------------
+
+
+def test_full_queue_answers_429_and_closed_streams_free_their_slots(server):
+    """More streams than batch + queue: the rest get 429; closing the accepted ones cancels them all."""
+    body = good(max_tokens=CONTEXT - 16, temperature=0, stream=True, ignore_eos=True)
+    count = 2 * (MAX_BATCH_SIZE + MAX_WAITING)
+    wait_idle(server)
+    before = scrape(server)
+
+    async def run_all() -> list[tuple[int, dict | None, dict]]:
+        answered = 0
+        everyone_answered = asyncio.Event()
+
+        async def one(client: httpx.AsyncClient) -> tuple[int, dict | None, dict]:
+            nonlocal answered
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                payload = json.loads(await response.aread()) if response.status_code != 200 else None
+                answered += 1
+                if answered == count:
+                    everyone_answered.set()
+                await everyone_answered.wait()  # hold accepted streams open until all have an answer
+                return response.status_code, payload, dict(response.headers)
+
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(base_url=server, limits=limits, timeout=30) as client:
+            return await asyncio.gather(*(one(client) for _ in range(count)))
+
+    results = asyncio.run(run_all())
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) == {200, 429}
+    assert statuses.count(200) >= MAX_BATCH_SIZE + MAX_WAITING
+    for status, payload, headers in results:
+        if status == 429:
+            assert payload["error"]["type"] == "rate_limit_error" and payload["error"]["code"] == "rate_limit_exceeded"
+            assert headers["retry-after"] == "1"
+    wait_idle(server, timeout=20)
+    after = scrape(server)
+
+    def finished(reason: str) -> float:
+        key = ("verispec_requests_total", (("finish_reason", reason),))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert finished("cancelled") >= 1
+    assert finished("cancelled") + finished("length") == statuses.count(200)  # every accepted stream ended
+
+
+def test_client_leaving_a_stream_frees_its_slot(server):
+    cancelled = ("verispec_requests_total", (("finish_reason", "cancelled"),))
+    wait_idle(server)
+    before = scrape(server).get(cancelled, 0)
+    body = good(max_tokens=CONTEXT - 16, temperature=0, stream=True, ignore_eos=True)
+    with httpx.Client(base_url=server, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            first = next(response.iter_lines())
+            assert response.status_code == 200 and first.startswith("data: ")
+    assert wait_idle(server)["status"] == "ok"
+    assert scrape(server).get(cancelled, 0) == before + 1
+
+
+def test_client_leaving_a_whole_response_frees_its_slot(server):
+    cancelled = ("verispec_requests_total", (("finish_reason", "cancelled"),))
+    wait_idle(server)
+    before = scrape(server).get(cancelled, 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=good(max_tokens=CONTEXT - 16, ignore_eos=True), timeout=0.1)
+    assert wait_idle(server)["status"] == "ok"
+    assert scrape(server).get(cancelled, 0) == before + 1
+
+
+# -- in-process: states the live server cannot show ----------------------------------------------
+
+
+def test_no_chat_template_and_stopped_loop(target):
+    """A model without a chat template answers chat with a 400; a scheduler that is not running gives 503s."""
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.chat_template = None
+    plain = LoadedModel(target.name, target.model, tokenizer, target.eos_token_ids, target.directory)
+    scheduler = Scheduler(plain, limits=SchedulerLimits(max_batch_size=1, max_context=64))  # never started
+    app = create_app(scheduler, MODEL, MAX_REQUEST_BYTES, ServerMetrics())
+    with TestClient(app) as http:
+        response = http.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json=good())
+        assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+
+
+def test_framework_validation_errors_become_openai_400s():
+    """FastAPI's own validation errors (loc starts with 'body') get the same 400 shape as ours."""
+    fastapi_error = {"loc": ("body", "messages", 0, "role"), "msg": "Input should be 'user'", "type": "literal_error"}
+    error = validation_error([fastapi_error])
+    assert error.status == 400 and error.param == "messages[0].role"
+    assert error.body()["error"] == {
+        "message": "messages[0].role: Input should be 'user'", "type": "invalid_request_error",
+        "param": "messages[0].role", "code": None,
+    }
+
+
+def test_serve_errors_are_messages_not_tracebacks(capsys, tiny_dir):
+    assert main(["serve", "--target", "no-such-model", "--drafter", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a catalog name" in err and "Traceback" not in err
+    assert main(["serve", "--target", str(tiny_dir), "--draft", "no-such-draft"]) == 2
+    assert "no-such-draft" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--target", str(tiny_dir), "--drafter", "none", "--port", port]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "70000"])
+    assert exit_info.value.code == 2
+
+
+# -- the load benchmark --------------------------------------------------------------------------
+
+
+def test_bench_serve_measures_each_level(server, tmp_path):
+    workload = tmp_path / "prompts.jsonl"
+    items = [{"id": "c1", "prompt": "def add(a, b):"}, {"id": "m1", "messages": [{"role": "user", "content": "hi"}]}]
+    workload.write_text("\n".join(json.dumps(item) for item in items))
+    out = tmp_path / "out"
+    code = main([
+        "bench-serve", "--server", f"a={server}/v1", "--server", f"b={server}/v1", "--workload", str(workload),
+        "--concurrency", "1,3", "--requests-per-client", "1", "--max-tokens", "8", "--temperature", "0", "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    levels = [(s["server"], s["concurrency"]) for s in results["summaries"]]
+    assert sorted(levels) == [("a", 1), ("a", 3), ("b", 1), ("b", 3)]
+    for summary, raw in zip(results["summaries"], results["raw"]):
+        assert summary["errors"] == 0 and summary["requests"] == summary["concurrency"]
+        assert summary["throughput_tokens_per_second"] > 0
+        assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in raw["requests"])
+        for record in raw["requests"]:
+            assert 0 < record["completion_tokens"] <= 8 and record["text"]
+            assert record["speculative"]["accepted_tokens"] <= record["speculative"]["drafted_tokens"]
+            assert record["first_token"] <= record["finished"]
+    assert "| a | 3 |" in (out / "report.md").read_text()
+    assert (out / "serving.png").stat().st_size > 0
+
+
+def test_bench_serve_reports_an_unreachable_server(tmp_path, capsys):
+    code = main(["bench-serve", "--server", f"x=http://127.0.0.1:{free_port()}/v1", "--out", str(tmp_path)])
+    assert code == 2
+    assert "is the server running" in capsys.readouterr().err

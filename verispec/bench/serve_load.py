@@ -1,0 +1,279 @@
+"""`verispec bench-serve`: load-test running OpenAI-compatible servers at several concurrency levels.
+
+Each level keeps `concurrency` streaming clients busy until every prompt of the workload was
+served once. Servers are measured side by side: for each level the servers take turns (order
+rotated per level), so a noisy machine slows all of them alike. Works against any server that
+speaks the OpenAI streaming API (verispec serve, vLLM, llama.cpp's server...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from verispec.bench.machine import machine_description
+from verispec.bench.workloads import load_workload
+
+
+@dataclass
+class RequestRecord:
+    prompt_id: str
+    started: float  # seconds since the level started
+    first_token: float | None  # seconds from request start to the first text chunk
+    finished: float  # seconds from request start to the end of the stream
+    chunk_times: list[float] = field(default_factory=list)  # seconds from request start, per text chunk
+    completion_tokens: int = 0
+    text: str = ""
+    speculative: dict | None = None  # the server's own stats, when it reports them
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    server: str
+    concurrency: int
+    wall_seconds: float
+    requests: list[RequestRecord]
+
+    def summary(self) -> dict:
+        ok = [r for r in self.requests if r.error is None]
+        tokens = sum(r.completion_tokens for r in ok)
+        ttft = [r.first_token for r in ok if r.first_token is not None]
+        per_token = [
+            (r.finished - r.first_token) / (r.completion_tokens - 1)
+            for r in ok if r.first_token is not None and r.completion_tokens > 1
+        ]
+        spec = [r.speculative for r in ok if r.speculative]
+        drafted = sum(s.get("drafted_tokens", 0) for s in spec)
+        accepted = sum(s.get("accepted_tokens", 0) for s in spec)
+        forwards = sum(s.get("target_forwards", 0) for s in spec)
+        return {
+            "server": self.server,
+            "concurrency": self.concurrency,
+            "requests": len(self.requests),
+            "errors": len(self.requests) - len(ok),
+            "completion_tokens": tokens,
+            "wall_seconds": self.wall_seconds,
+            "throughput_tokens_per_second": tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
+            "ttft_p50": _quantile(ttft, 0.5),
+            "ttft_p95": _quantile(ttft, 0.95),
+            "per_token_latency_p50": _quantile(per_token, 0.5),
+            "per_token_latency_p95": _quantile(per_token, 0.95),
+            "request_latency_p50": _quantile([r.finished for r in ok], 0.5),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_target_forward": sum(r.completion_tokens for r in ok if r.speculative) / forwards
+            if forwards else None,
+        }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+async def _one_request(
+    client: httpx.AsyncClient, base_url: str, model: str, item: dict, max_tokens: int, temperature: float, level_start: float
+) -> RequestRecord:
+    chat = "messages" in item
+    body = {
+        "model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update({"messages": item["messages"]} if chat else {"prompt": item["prompt"]})
+    path = "/chat/completions" if chat else "/completions"
+    start = time.perf_counter()
+    record = RequestRecord(str(item["id"]), start - level_start, None, 0.0)
+    try:
+        async with client.stream("POST", base_url.rstrip("/") + path, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                for choice in chunk.get("choices") or []:
+                    piece = choice.get("text") if not chat else (choice.get("delta") or {}).get("content")
+                    if piece:
+                        now = time.perf_counter() - start
+                        record.chunk_times.append(now)
+                        record.first_token = record.first_token if record.first_token is not None else now
+                        record.text += piece
+                if chunk.get("usage"):
+                    record.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+                if chunk.get("speculative"):
+                    record.speculative = chunk["speculative"]
+    except httpx.HTTPError as error:
+        record.error = f"{type(error).__name__}: {error}"
+    record.finished = time.perf_counter() - start
+    return record
+
+
+async def run_level(
+    server: str, base_url: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int, temperature: float
+) -> LevelResult:
+    """Serve every prompt once with `concurrency` clients streaming at the same time."""
+    pending = list(prompts)
+    records: list[RequestRecord] = []
+    level_start = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+
+        async def client_loop() -> None:
+            while pending:
+                item = pending.pop(0)
+                records.append(await _one_request(client, base_url, model, item, max_tokens, temperature, level_start))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return LevelResult(server, concurrency, time.perf_counter() - level_start, records)
+
+
+def _prompts_for_level(prompts: list[dict], concurrency: int, per_client: int) -> list[dict]:
+    """`per_client` requests per client, cycling through the workload."""
+    return [prompts[i % len(prompts)] for i in range(concurrency * per_client)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server", action="append", required=True, metavar="NAME=URL",
+        help="a server to measure, e.g. spec=http://127.0.0.1:8000/v1 (repeat to compare servers side by side)",
+    )
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models)")
+    parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts of the workload")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/serve"))
+
+
+def _parse_servers(values: list[str]) -> list[tuple[str, str]]:
+    servers = []
+    for value in values:
+        name, sep, url = value.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--server takes NAME=URL with an http(s) URL, got {value!r}")
+        servers.append((name, url))
+    return servers
+
+
+def _model_of(url: str) -> str:
+    """The first model a server lists; also checks that the server answers at all."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/models", timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        raise RuntimeError(f"cannot list models at {url}/models ({error}); is the server running?") from None
+
+
+def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    servers = _parse_servers(args.server)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency takes positive integers, got {args.concurrency!r}")
+    if args.requests_per_client < 1:
+        raise ValueError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    prompts = load_workload(args.workload, args.limit)
+    models = {name: args.model or _model_of(url) for name, url in servers}
+    results: list[LevelResult] = []
+    for index, concurrency in enumerate(levels):
+        order = servers[index % len(servers):] + servers[: index % len(servers)]  # rotate who goes first
+        for name, url in order:
+            batch = _prompts_for_level(prompts, concurrency, args.requests_per_client)
+            console.print(f"[bold]{name}[/bold]: {len(batch)} requests, {concurrency} concurrent clients ...")
+            level = asyncio.run(run_level(name, url, models[name], batch, concurrency, args.max_tokens, args.temperature))
+            results.append(level)
+            s = level.summary()
+            console.print(
+                f"  {s['throughput_tokens_per_second']:.2f} tok/s, TTFT p50 {s['ttft_p50'] or 0:.2f} s, "
+                f"errors {s['errors']}"
+            )
+    summaries = [r.summary() for r in results]
+    _write(args, argv, servers, summaries, results)
+    table = Table(title=f"serving: {args.workload}, {args.max_tokens} tokens")
+    for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept"):
+        table.add_column(column)
+    for s in summaries:
+        table.add_row(*_row(s))
+    console.print(table)
+    console.print(f"results in {args.out}/")
+    return 0 if all(s["errors"] == 0 for s in summaries) else 1
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _row(s: dict) -> list[str]:
+    ms = lambda v: None if v is None else v * 1000  # noqa: E731
+    return [
+        s["server"], str(s["concurrency"]), _fmt(s["throughput_tokens_per_second"], ".2f"),
+        _fmt(s["ttft_p50"], ".2f"), _fmt(s["ttft_p95"], ".2f"),
+        _fmt(ms(s["per_token_latency_p50"]), ".0f"), _fmt(ms(s["per_token_latency_p95"]), ".0f"),
+        _fmt(s["acceptance_rate"], ".2f"),
+    ]
+
+
+def _write(args, argv, servers, summaries: list[dict], results: list[LevelResult]) -> None:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    command = "verispec bench-serve " + shlex.join(argv) if argv is not None else None
+    meta = {"command": command, "machine": machine_description(), "servers": dict(servers),
+            "workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    raw = [{"server": r.server, "concurrency": r.concurrency, "wall_seconds": r.wall_seconds,
+            "requests": [asdict(q) for q in r.requests]} for r in results]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summaries": summaries, "raw": raw}, indent=1))
+    names = [name for name, _ in servers]
+    lines = [f"# Serving benchmark: {args.workload}", "", f"Command: `{command}`", "",
+             "| server | clients | tok/s | TTFT p50 s | TTFT p95 s | ms/token p50 | ms/token p95 | acceptance |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(_row(s)) + " |" for s in summaries]
+    if len(names) > 1:
+        lines += ["", f"Throughput relative to `{names[0]}` at the same concurrency:", ""]
+        base = {s["concurrency"]: s["throughput_tokens_per_second"] for s in summaries if s["server"] == names[0]}
+        for s in summaries:
+            if s["server"] != names[0] and base.get(s["concurrency"]):
+                lines.append(f"- {s['server']} at {s['concurrency']} clients: "
+                             f"{s['throughput_tokens_per_second'] / base[s['concurrency']]:.2f}x")
+    lines += ["", "Machine: " + json.dumps(meta["machine"]), ""]
+    (out / "report.md").write_text("\n".join(lines))
+    _plot(out, names, summaries)
+
+
+def _plot(out: Path, names: list[str], summaries: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        rows = sorted((s for s in summaries if s["server"] == name), key=lambda s: s["concurrency"])
+        clients = [s["concurrency"] for s in rows]
+        left.plot(clients, [s["throughput_tokens_per_second"] for s in rows], marker="o", label=name)
+        right.plot(clients, [(s["per_token_latency_p50"] or 0) * 1000 for s in rows], marker="o", label=name)
+    left.set(xlabel="concurrent clients", ylabel="tokens / s (all clients)", title="throughput", xscale="log")
+    right.set(xlabel="concurrent clients", ylabel="ms per token (p50)", title="per-token latency", xscale="log")
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(out / "serving.png", dpi=120)
+    plt.close(fig)

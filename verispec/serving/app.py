@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP layer over a `Scheduler`: completions, chat, models, health, metrics.
+
+Every response is JSON in OpenAI's shape, errors included ({"error": {...}} with a 4xx status for
+any bad input). Streams are server-sent events ending in `data: [DONE]`. A request whose client
+goes away is cancelled, so its batch slot is freed before the scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verispec.serving.metrics import CONTENT_TYPE, ServerMetrics
+from verispec.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_json_object,
+    resolve_max_tokens,
+    validate,
+    validation_error,
+)
+from verispec.serving.scheduler import QueueFullError, RequestHandle, Scheduler, SequenceEvent
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint spells its responses."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    choice: Callable[[str, str | None], dict]  # (text, finish_reason) -> a whole response's choice
+    delta: Callable[[str | None, str | None], dict]  # (text or None, finish_reason) -> a stream chunk's choice
+    opening_delta: dict | None  # the first chunk's choice, if the endpoint has one
+
+
+COMPLETION = _Shape(
+    "cmpl", "text_completion", "text_completion",
+    choice=lambda text, finish: {"index": 0, "text": text, "logprobs": None, "finish_reason": finish},
+    delta=lambda text, finish: {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish},
+    opening_delta=None,
+)
+CHAT = _Shape(
+    "chatcmpl", "chat.completion", "chat.completion.chunk",
+    choice=lambda text, finish: {
+        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish,
+    },
+    delta=lambda text, finish: {
+        "index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish,
+    },
+    opening_delta={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+)
+
+
+def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, metrics: ServerMetrics) -> FastAPI:
+    """An app serving `scheduler` (started and stopped by the caller) as model `model_name`."""
+    app = FastAPI(title="verispec", summary="OpenAI-compatible lossless speculative decoding")
+    created = int(time.time())
+    target = scheduler.target
+
+    def error_response(error: APIError) -> JSONResponse:
+        metrics.error(error.type, error.code)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(error.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message, code = f"no such endpoint: {request.method} {request.url.path}", "not_found"
+        elif error.status_code == 405:
+            message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(error.detail), None
+        return error_response(APIError(error.status_code, message, code=code, headers=error.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error"))
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    # -- endpoints ----------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"active": scheduler.num_active, "waiting": scheduler.num_waiting}
+        if scheduler.healthy:
+            return JSONResponse({"status": "ok", **body})
+        return JSONResponse({"status": "unavailable", **body}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.set_queue(scheduler.num_active, scheduler.num_waiting)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {
+            "id": model_name, "object": "model", "created": created, "owned_by": "verispec",
+            "max_model_len": scheduler.limits.max_context, "drafter": scheduler.drafter,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = validate(CompletionRequest, await read_json(request, max_request_bytes))
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = target.encode(body.prompt)
+        else:
+            prompt_ids = body.prompt
+            vocab = target.model.vocab_size
+            if max(prompt_ids) >= vocab:
+                message = f"prompt: token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})"
+                raise APIError(400, message, "prompt")
+        return await generate(request, body, prompt_ids, "prompt", COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = validate(ChatCompletionRequest, await read_json(request, max_request_bytes))
+        check_model(body.model)
+        if not getattr(target.tokenizer, "chat_template", None):
+            message = f"model {model_name!r} has no chat template; use /v1/completions with a raw prompt"
+            raise APIError(400, message, "messages")
+        messages = [message.to_template() for message in body.messages]
+        try:
+            text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # the template itself may refuse a conversation (e.g. roles out of order)
+            raise APIError(400, f"messages: the chat template rejected them: {error}", "messages") from None
+        return await generate(request, body, target.encode(text), "messages", CHAT)
+
+    # -- shared machinery ---------------------------------------------------------------------------
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            message = f"The model '{name}' does not exist; this server serves '{model_name}'."
+            raise APIError(404, message, "model", "model_not_found")
+
+    async def generate(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], prompt_param: str,
+        shape: _Shape,
+    ) -> Response:
+        if not scheduler.healthy:
+            message = "the decoding loop is not running; see /health"
+            raise APIError(503, message, code="unavailable", type="server_error")
+        if not prompt_ids:
+            raise APIError(400, f"{prompt_param}: the prompt is empty after tokenization", prompt_param)
+        context = scheduler.limits.max_context
+        max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), context, prompt_param)
+        try:
+            config = body.generation_config(max_tokens)
+            handle = scheduler.submit(prompt_ids, config)
+        except QueueFullError as error:
+            raise APIError(
+                429, str(error), code="rate_limit_exceeded", type="rate_limit_error", headers={"Retry-After": "1"}
+            ) from None
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+        response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        header = {"id": response_id, "created": int(time.time()), "model": model_name}
+        if body.stream:
+            chunks = sse_chunks(request, handle, header, shape, body.include_usage)
+            return StreamingResponse(
+                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+        return await whole_response(request, handle, header, shape)
+
+    async def whole_response(request: Request, handle: RequestHandle, header: dict, shape: _Shape) -> JSONResponse:
+        parts: list[str] = []
+        final: SequenceEvent | None = None
+        async with cancel_on_disconnect(request, handle):
+            async for event in handle.events():
+                parts.append(event.text)
+                final = event
+        if final.finish_reason not in ("stop", "length"):
+            raise unfinished(final)
+        return JSONResponse({
+            **header, "object": shape.object, "choices": [shape.choice("".join(parts), final.finish_reason)],
+            "usage": usage(final), "speculative": final.stats.to_dict(),
+        })
+
+    async def sse_chunks(
+        request: Request, handle: RequestHandle, header: dict, shape: _Shape, include_usage: bool
+    ) -> AsyncIterator[str]:
+        def chunk(choices: list[dict], **extra) -> str:
+            payload = {**header, "object": shape.chunk_object, "choices": choices}
+            if include_usage:
+                payload["usage"] = None
+            payload.update(extra)
+            return f"data: {json_dumps(payload)}\n\n"
+
+        async with cancel_on_disconnect(request, handle):
+            if shape.opening_delta is not None:
+                yield chunk([shape.opening_delta])
+            async for event in handle.events():
+                if event.finish_reason not in (None, "stop", "length"):
+                    error = unfinished(event)
+                    metrics.error(error.type, error.code)
+                    yield f"data: {json_dumps(error.body())}\n\n"
+                    break
+                if event.text:
+                    yield chunk([shape.delta(event.text, None)])
+                if event.finish_reason is not None:
+                    yield chunk([shape.delta(None, event.finish_reason)])
+                    if include_usage:
+                        yield chunk([], usage=usage(event), speculative=event.stats.to_dict())
+            yield "data: [DONE]\n\n"
+
+    return app
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type and content_type != "application/json" and not content_type.endswith("+json"):
+        message = f"Content-Type must be application/json, got {content_type!r}"
+        raise APIError(415, message, code="unsupported_media_type")
+    too_large = APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_large
+    return parse_json_object(bytes(body))
+
+
+class _CountRequests:
+    """ASGI middleware counting requests by route and status (pure ASGI, so streams pass untouched)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # unless a response starts
+
+        async def send_and_record(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")  # set by the router on the shared scope when a route matched
+            self.metrics.http_request(getattr(route, "path", "unmatched"), status)
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> AsyncIterator[None]:
+    """Within the block, a client disconnect cancels the request; leaving the block cancels it too.
+
+    Leaving covers a stream closed or cancelled by the server (the client went away while a chunk
+    was being sent); the watcher covers a client that leaves while no chunk is due (queued, or a
+    whole response still being generated). Cancelling a finished request does nothing.
+    """
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        handle.cancel()
+
+
+def unfinished(event: SequenceEvent) -> APIError:
+    if event.finish_reason == "cancelled":
+        return APIError(503, "the request was cancelled before it finished", type="server_error", code="cancelled")
+    return APIError(500, event.error or "generation failed", type="server_error", code="generation_failed")
+
+
+def usage(event: SequenceEvent) -> dict:
+    stats = event.stats
+    return {
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+
+
+def json_dumps(payload: dict) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,343 @@
+"""OpenAI request bodies: parsing, validation, and the one error shape every bad request gets.
+
+Types are strict (`"temperature": "0.5"` is an error, not 0.5): a client that sends the wrong
+type has a bug worth hearing about. OpenAI fields that would change the output but are not
+implemented (n > 1, logprobs, penalties, logit_bias, echo, tools, ...) are refused with a 400;
+fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
+Extensions beyond OpenAI, as in vLLM: top_k, min_p, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from verispec.engine import GenerationConfig
+from verispec.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # when the request gives none; lowered to what the context leaves
+MAX_STOP_STRINGS = 4
+
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # ints are accepted, strings and bools not
+Integer = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
+Text = Annotated[str, Strict()]
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        type: str = "invalid_request_error", headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _unsupported(detail: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", "{detail} is not supported by this server", {"detail": detail})
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body: UTF-8 JSON holding one object (NaN and Infinity are not JSON)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
+    if not text.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+
+    def refuse_constant(name: str) -> None:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        data = json.loads(text, parse_constant=refuse_constant)
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno}, column {error.colno}"
+        raise APIError(400, f"the request body is not valid JSON: {error.msg} ({where})") from None
+    except ValueError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        kind = "null" if data is None else type(data).__name__
+        raise APIError(400, f"the request body must be a JSON object, got {kind}")
+    try:  # a "\ud800" escape decodes to a lone surrogate, which is no text a tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (e.g. \\ud800)") from None
+    return data
+
+
+def param_path(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first pydantic (or FastAPI) error as a 400 naming the offending parameter."""
+    first = errors[0]
+    loc = tuple(part for part in first.get("loc", ()) if part != "body")
+    param = param_path(loc) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    code = "unsupported_parameter" if first.get("type") == "unsupported_parameter" else None
+    return APIError(400, f"{param}: {message}" if param else message, param, code)
+
+
+def validate(model: type[BaseModel], data: dict) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: Flag = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None  # None: the one model served
+    max_tokens: Integer | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0, le=2)  # None: 1, as OpenAI
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: Integer | None = Field(None, ge=0)  # extension; 0 = off
+    min_p: Number | None = Field(None, ge=0, le=1)  # extension; 0 = off
+    seed: Integer | None = Field(None, ge=-(2**63), le=2**64 - 1)  # None: a fresh random seed
+    stop: list[Text] = []  # a string or a list of strings in the request
+    n: Integer | None = None
+    stream: Flag | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: Flag | None = None  # extension: generate max_tokens tokens even past end-of-sequence
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    user: Text | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _unsupported(f"n={value} (one choice per request)")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value:
+            raise _unsupported(f"a non-zero {info.field_name}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise _unsupported("logit_bias")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The requested completion length (None: not given) and the parameter that gave it."""
+        return self.max_tokens, "max_tokens"
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+        )
+
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        """The engine settings; k is the server's (the scheduler ignores a per-request k)."""
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            sampling=self.sampling(),
+            seed=secrets.randbits(63) if self.seed is None else self.seed,
+            stop_strings=tuple(self.stop),
+            eos_token_ids=() if self.ignore_eos else None,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int]  # a string, a list of one string, token ids or a list of one list of token ids
+    best_of: Integer | None = None
+    echo: Flag | None = None
+    logprobs: Integer | None = None
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
+            if len(value) > 1:
+                raise ValueError(f"one prompt per request is supported, got a batch of {len(value)}")
+            value = value[0]
+        if value == "" or value == []:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            return value
+        raise ValueError("prompt must be a string, a list of one string, or a list of token ids (integers >= 0)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _unsupported(f"best_of={value}")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("echo")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise _unsupported("logprobs")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("suffix (insertion)")
+        return value
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str = ""  # a string, a list of text parts (joined) or null
+    name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        if value is None or isinstance(value, str):
+            return value or ""
+        if not isinstance(value, list) or not all(_is_text_part(part) for part in value):
+            raise ValueError("content must be a string or a list of text parts ({'type': 'text', 'text': ...})")
+        return "".join(part["text"] for part in value)
+
+    def to_template(self) -> dict:
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
+    logprobs: Flag | None = None
+    top_logprobs: Integer | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("logprobs")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise _unsupported("top_logprobs")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value:
+            raise _unsupported(f"{info.field_name} (tool calling)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise _unsupported(f"response_format type {value.get('type')!r}")
+        return value
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def resolve_max_tokens(
+    requested: tuple[int | None, str], prompt_tokens: int, context: int, prompt_param: str
+) -> int:
+    """Tokens to generate: the request's, or DEFAULT_MAX_TOKENS lowered to what the context leaves.
+
+    requested is (value or None, its parameter name); prompt_param names the prompt in errors.
+    """
+    requested, param = requested
+    room = context - prompt_tokens
+    if room < 1:
+        raise APIError(
+            400, f"This model's maximum context length is {context} tokens. However, your prompt is "
+            f"{prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            prompt_param, "context_length_exceeded",
+        )
+    if requested is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if requested > room:
+        raise APIError(
+            400, f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} for the completion). "
+            f"Please reduce the prompt or {param}.",
+            param, "context_length_exceeded",
+        )
+    return requested
