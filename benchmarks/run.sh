@@ -37,6 +37,9 @@ serve() {  # the HTTP server at 1, 4 and 16 concurrent streaming clients, with a
     done
     $V bench-serve --server plain=http://127.0.0.1:8101/v1 --server spec=http://127.0.0.1:8102/v1 \
         --workload humaneval --limit 32 --concurrency 1,4,16 --requests-per-client 2 --max-tokens 128 --out benchmarks/serve
+    # What each server counted, incl. verispec_steps_total{batch_size,k}: the k the controller chose per batch size.
+    curl -sf http://127.0.0.1:8101/metrics > benchmarks/serve/metrics-plain.txt
+    curl -sf http://127.0.0.1:8102/metrics > benchmarks/serve/metrics-spec.txt
 }
 
 sections=("$@")

@@ -300,6 +300,9 @@ def test_metrics_count_what_responses_report(client, server):
     assert delta("verispec_draft_tokens_total") == speculative["drafted_tokens"]
     assert delta("verispec_accepted_tokens_total") == speculative["accepted_tokens"]
     assert delta("verispec_batch_size_count") == speculative["target_forwards"]
+    assert delta("verispec_steps_total") == speculative["target_forwards"]
+    alone_k3 = ("verispec_steps_total", (("batch_size", "1"), ("k", "3")))  # --k 3, the only request
+    assert after.get(alone_k3, 0) - before.get(alone_k3, 0) >= 1
     assert delta("verispec_time_to_first_token_seconds_count") == 1
     ok = ("verispec_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
     assert after[ok] == before.get(ok, 0) + 1
@@ -545,6 +548,7 @@ def test_bench_serve_measures_each_level(server, tmp_path):
             assert record["speculative"]["accepted_tokens"] <= record["speculative"]["drafted_tokens"]
             assert record["first_token"] <= record["finished"]
     assert "| a | 3 |" in (out / "report.md").read_text()
+    assert all(s["same_text_as_a"] == 1.0 for s in results["summaries"])  # one greedy server, asked twice
     assert (out / "serving.png").stat().st_size > 0
 
 

@@ -208,6 +208,8 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
                 f"errors {s['errors']}"
             )
     summaries = [r.summary() for r in results]
+    if args.temperature == 0:
+        _add_agreement(summaries, results)
     _write(args, argv, servers, summaries, results)
     table = Table(title=f"serving: {args.workload}, {args.max_tokens} tokens")
     for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept"):
@@ -217,6 +219,18 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
     console.print(table)
     console.print(f"results in {args.out}/")
     return 0 if all(s["errors"] == 0 for s in summaries) else 1
+
+
+def _add_agreement(summaries: list[dict], results: list[LevelResult]) -> None:
+    """Greedy runs: the fraction of requests whose text equals the first server's for the same prompt."""
+    baseline = results[0].server
+    reference = {
+        (r.concurrency, q.prompt_id): q.text for r in results if r.server == baseline for q in r.requests if not q.error
+    }
+    for summary, result in zip(summaries, results):
+        pairs = [(q.text, reference.get((result.concurrency, q.prompt_id))) for q in result.requests if not q.error]
+        pairs = [(text, ref) for text, ref in pairs if ref is not None]
+        summary[f"same_text_as_{baseline}"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
 def _fmt(value, spec: str) -> str:
@@ -254,6 +268,11 @@ def _write(args, argv, servers, summaries: list[dict], results: list[LevelResult
             if s["server"] != names[0] and base.get(s["concurrency"]):
                 lines.append(f"- {s['server']} at {s['concurrency']} clients: "
                              f"{s['throughput_tokens_per_second'] / base[s['concurrency']]:.2f}x")
+    agreement = f"same_text_as_{names[0]}"
+    if len(names) > 1 and any(s.get(agreement) is not None for s in summaries):
+        lines += ["", f"Greedy outputs identical to `{names[0]}`'s for the same prompt:", ""]
+        lines += [f"- {s['server']} at {s['concurrency']} clients: {s[agreement]:.0%}"
+                  for s in summaries if s["server"] != names[0] and s.get(agreement) is not None]
     lines += ["", "Machine: " + json.dumps(meta["machine"]), ""]
     (out / "report.md").write_text("\n".join(lines))
     _plot(out, names, summaries)

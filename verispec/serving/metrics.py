@@ -47,6 +47,10 @@ class ServerMetrics:
         self._target_forwards = Counter(
             "verispec_target_forwards", "batched target forwards (one per scheduler step)", registry=registry
         )
+        self._steps = Counter(
+            "verispec_steps", "scheduler steps by batch size and draft length k (how the controller adapts)",
+            ["batch_size", "k"], registry=registry,
+        )
         # Latency and batching.
         self._time_to_first_token = Histogram(
             "verispec_time_to_first_token_seconds", "submit to first generated token", buckets=LATENCY_BUCKETS,
@@ -73,6 +77,7 @@ class ServerMetrics:
     ) -> None:
         """One batched target forward; [i] = sequences that drafted / had accepted draft position i."""
         self._target_forwards.inc()
+        self._steps.labels(batch_size=str(batch_size), k=str(len(drafted_by_position))).inc()
         self._batch_size.observe(batch_size)
         self._step_duration.observe(seconds)
         for position, count in enumerate(drafted_by_position):
