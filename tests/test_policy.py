@@ -47,6 +47,30 @@ def test_stops_speculating_when_drafts_never_pass_but_keeps_probing():
     assert max(tail) <= 1
 
 
+def probes(batch_size: int, verify_cost: dict[int, float], draft_cost: dict[int, float]) -> int:
+    """k = 1 probes in 256 steps with drafts that never pass (so plain decoding is the choice)."""
+    controller = AdaptiveController(ControllerSettings(k_max=4, probe_every=8))
+    controller.verify_cost = dict(verify_cost)
+    averages = controller._source("draft-model")
+    averages.alpha = [0.0] * 4
+    averages.draft_cost = dict(draft_cost)
+    controller.recent_sources["draft-model"] = 1
+    return sum(controller.choose_k(batch_size) == 1 for _ in range(256))
+
+
+def test_a_large_batch_probes_less_often():
+    cheap_verify = {1: 0.2, 16: 0.4, 32: 0.5, 48: 0.6, 64: 0.7, 80: 0.8}
+    assert probes(1, cheap_verify, {1: 0.02, 16: 0.05}) == 256 // 8  # every 8th step: 7 plain, then one probe
+    assert probes(16, cheap_verify, {1: 0.02, 16: 0.05}) == 256 // 128
+
+
+def test_no_probes_when_cost_alone_rules_drafting_out():
+    """At batch 16 verifying 2 tokens per sequence costs 2.5x one: even perfect drafts cannot pay."""
+    costly_verify = {1: 0.2, 16: 0.4, 32: 1.0, 48: 1.6, 64: 2.2, 80: 2.8}
+    assert probes(16, costly_verify, {1: 0.02, 16: 0.2}) == 0
+    assert probes(1, costly_verify, {1: 0.02, 16: 0.2}) == 256 // 8  # a single sequence still probes
+
+
 def test_recovers_when_the_drafter_starts_to_agree_again():
     controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=4))
     run_steps(controller, 40, 0.0, 0.02, lambda n: 0.2)

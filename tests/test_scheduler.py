@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -159,6 +161,8 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
             # Keep a different number of drafts per row, then a token the draft did not propose.
             keep = (step + b) % 4
             sequence.extend(want[0, :keep].tolist() + [(int(want[0, min(keep, 2)]) + 1) % target.model.vocab_size])
+            if step == 1 and b == 1:  # plain steps in between: a tail longer than LONG_TAIL to catch up
+                sequence.extend(target.encode("def greet(name):\n    print('hello ' + name)\n"))
         if step == 2:  # the first sequence leaves: the others move down a row, as in the scheduler
             batched.move(1, 0)
             batched.move(2, 1)
@@ -194,3 +198,48 @@ def test_cancelled_waiting_requests_free_their_queue_slots(target):
         assert list(busy.iter_events())[-1].finish_reason == "cancelled"
     finally:
         scheduler.stop()
+
+
+def batched_two_token_counts(target, draft, prompt_ids, sampling, runs: int, k) -> Counter:
+    """First two sampled tokens of `runs` requests decoded 16 at a time by the scheduler."""
+    scheduler = Scheduler(target, draft.model, "draft-model", k=k, limits=SchedulerLimits(16, runs, 256))
+    handles = [
+        scheduler.submit(prompt_ids, GenerationConfig(max_new_tokens=2, sampling=sampling, seed=seed, eos_token_ids=()))
+        for seed in range(runs)
+    ]
+    scheduler.start()
+    try:
+        return Counter(tuple(t for e in h.iter_events() for t in e.token_ids) for h in handles)
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_batched_sampling_follows_the_target_distribution(target, draft, repeating_prompt, k):
+    """Rows verified together, each with its own q and generator, still emit plain decoding's exact law."""
+    from test_engine import exact_two_token_law, law_matches
+
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    runs = 1500
+    assert law_matches(batched_two_token_counts(target, draft, prompt_ids, sampling, runs, k), law, runs)
+
+
+def test_negative_control_accept_all_in_the_batch_fails(target, draft, repeating_prompt, monkeypatch):
+    from test_engine import exact_two_token_law, law_matches
+
+    import verispec.serving.scheduler as scheduler_module
+    from verispec.verify import VerifyResult
+
+    def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
+        rows, k = draft_token_ids.shape
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
+        return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
+
+    monkeypatch.setattr(scheduler_module, "verify", accept_all)
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    runs = 1500
+    assert not law_matches(batched_two_token_counts(target, draft, prompt_ids, sampling, runs, 3), law, runs)

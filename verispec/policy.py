@@ -13,7 +13,9 @@ measures them online, on this machine, during the request:
 With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
 per sequence; a batch of b sequences spends draft_cost(b) * k + verify_cost(b * (k + 1)) seconds on
 them. The controller picks argmax E(k) / seconds over k = 0 .. k_max, where k = 0 is plain
-decoding. A single request is b = 1. As the batch grows the verify pass stops being memory-bound
+decoding. A single request is b = 1. Plain steps are interrupted by a k = 1 probe every
+probe_every * b steps, unless the costs alone rule drafting out (it would not pay even if every
+draft were accepted): then there is nothing a probe could learn. As the batch grows the verify pass stops being memory-bound
 and costs more per token, so the same acceptance buys less and the chosen k falls. When it has chosen k = 0 for a while it probes with
 k = 1 (one cheap draft token) so it notices when the drafter starts to agree again.
 """
@@ -29,7 +31,7 @@ class ControllerSettings:
     k_max: int = 8  # longest draft considered
     smoothing: float = 0.15  # weight of the newest observation in every moving average
     prior_acceptance: float = 0.7  # optimistic start, so speculation is tried before it is judged
-    probe_every: int = 8  # after this many plain steps in a row, try k = 1 once
+    probe_every: int = 8  # after this many plain steps in a row (times the batch size), try k = 1 once
     first_k: int = 4  # k of the very first step, before anything was measured
 
 
@@ -81,15 +83,26 @@ class AdaptiveController:
                 k = self.settings.first_k if self._verify_seconds(batch_size) is not None else 0
             else:
                 k = max(rates)[1]
-            if k == 0:
+            if k == 0 and self._could_pay(averages, batch_size):
                 self.plain_streak += 1
-                if self.plain_streak >= self.settings.probe_every:
+                # A probe drafts for every sequence in the batch, so a big batch probes less often.
+                if self.plain_streak >= self.settings.probe_every * batch_size:
                     self.plain_streak = 0
                     k = 1
             else:
                 self.plain_streak = 0
         self.chosen[k] += 1
         return k
+
+    def _could_pay(self, averages: _Averages, batch_size: int) -> bool:
+        """Would drafting beat plain decoding here if every draft were accepted?
+
+        When not (a batch so large that verifying extra tokens costs more than they can bring),
+        plain decoding is chosen on cost alone and a probe could only confirm it.
+        """
+        perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost)
+        plain = self.expected_rate(0, perfect, batch_size)
+        return any((self.expected_rate(k, perfect, batch_size) or 0.0) > (plain or 0.0) for k in range(1, self.settings.k_max + 1))
 
     def observe(
         self,

@@ -233,6 +233,10 @@ def _add_agreement(summaries: list[dict], results: list[LevelResult]) -> None:
         summary[f"same_text_as_{baseline}"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
+def _clients(count: int) -> str:
+    return f"{count} client" + ("s" if count != 1 else "")
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -266,12 +270,12 @@ def _write(args, argv, servers, summaries: list[dict], results: list[LevelResult
         base = {s["concurrency"]: s["throughput_tokens_per_second"] for s in summaries if s["server"] == names[0]}
         for s in summaries:
             if s["server"] != names[0] and base.get(s["concurrency"]):
-                lines.append(f"- {s['server']} at {s['concurrency']} clients: "
+                lines.append(f"- {s['server']} at {_clients(s['concurrency'])}: "
                              f"{s['throughput_tokens_per_second'] / base[s['concurrency']]:.2f}x")
     agreement = f"same_text_as_{names[0]}"
     if len(names) > 1 and any(s.get(agreement) is not None for s in summaries):
         lines += ["", f"Greedy outputs identical to `{names[0]}`'s for the same prompt:", ""]
-        lines += [f"- {s['server']} at {s['concurrency']} clients: {s[agreement]:.0%}"
+        lines += [f"- {s['server']} at {_clients(s['concurrency'])}: {s[agreement]:.0%}"
                   for s in summaries if s["server"] != names[0] and s.get(agreement) is not None]
     lines += ["", "Machine: " + json.dumps(meta["machine"]), ""]
     (out / "report.md").write_text("\n".join(lines))

@@ -15,6 +15,7 @@ from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 PAD_TOKEN = 0  # fills ragged inputs on the right; its keys/values land in scratch slots never committed
+LONG_TAIL = 8  # a row further behind than this catches up alone, so the others are not padded to its length
 
 
 class BatchedDraftModel:
@@ -57,6 +58,16 @@ class BatchedDraftModel:
         self.cache.lengths[row] = common
         return tokens[common:]
 
+    def _catch_up(self, row: int, tail: list[int]) -> list[int]:
+        """Feed all but the last token of a long tail (after plain steps) to the row alone; return the rest."""
+        if len(tail) <= LONG_TAIL:
+            return tail
+        view = self.cache.rows(row, row + 1)
+        self.model.forward(torch.tensor([tail[:-1]]), view, last_only=True)
+        view.commit(len(tail) - 1)
+        self.cached_tokens[row].extend(tail[:-1])
+        return tail[-1:]
+
     def _feed(self, inputs: list[list[int]]) -> torch.Tensor:
         """Append each row's tokens (ragged) to rows 0 .. n-1; logits at each row's last token, (n, V')."""
         n, width = len(inputs), max(len(row) for row in inputs)
@@ -84,7 +95,8 @@ class BatchedDraftModel:
     ) -> list[Proposal]:
         """k draft tokens for each of the sequences in rows 0 .. n-1 (tokens[b]: row b's committed tokens)."""
         n = len(tokens)
-        logits = self._feed([self._sync(b, seq) for b, seq in enumerate(tokens)])  # (n, V')
+        tails = [self._catch_up(b, self._sync(b, seq)) for b, seq in enumerate(tokens)]
+        logits = self._feed(tails)  # (n, V')
         drafted = torch.empty(n, k, dtype=torch.long)  # (n, k)
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row: k of (V,) when sampling
         for i in range(k):
