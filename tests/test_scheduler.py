@@ -142,7 +142,8 @@ def test_controller_speculates_less_when_verification_gets_expensive():
 
 
 def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
-    """Same proposals as DraftModelDrafter per row, across rejections (rollback) and row moves."""
+    """Same proposals as DraftModelDrafter per row, across rejections (rollback), rows sitting steps out
+    (lazy catch-up, long tails) and row moves."""
     from verispec.serving.batch_draft import BatchedDraftModel
 
     prompts = [target.encode(p) for p in PROMPTS[:3]]
@@ -150,23 +151,44 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
     singles = [DraftModelDrafter(draft.model, target.model.vocab_size) for _ in prompts]
     sequences = [list(p) for p in prompts]
     for row, (prompt, single) in enumerate(zip(prompts, singles)):
-        batched.add(row, prompt)
+        batched.add(row)
         single.begin(prompt, 128)
     greedy = SamplingParams()
-    for step in range(5):
-        proposals = batched.propose(sequences, 3, [greedy] * len(sequences), [None] * len(sequences))
+    plain_steps = target.encode("def greet(name):\n    print('hello ' + name)\n")  # longer than LONG_TAIL
+    for step in range(6):
+        drafting = [not (step == 1 and b == 0) for b in range(len(sequences))]  # row 0 sits step 1 out
+        proposals = batched.propose(sequences, 3, [greedy] * len(sequences), [None] * len(sequences), drafting)
         for b, (sequence, single) in enumerate(zip(sequences, singles)):
+            if not drafting[b]:
+                assert proposals[b].num_tokens == 0
+                sequence.extend(plain_steps[:3])  # plain steps meanwhile
+                continue
             want = single.propose(sequence, 3, greedy, None).token_ids
             assert torch.equal(proposals[b].token_ids, want)
             # Keep a different number of drafts per row, then a token the draft did not propose.
             keep = (step + b) % 4
             sequence.extend(want[0, :keep].tolist() + [(int(want[0, min(keep, 2)]) + 1) % target.model.vocab_size])
-            if step == 1 and b == 1:  # plain steps in between: a tail longer than LONG_TAIL to catch up
-                sequence.extend(target.encode("def greet(name):\n    print('hello ' + name)\n"))
-        if step == 2:  # the first sequence leaves: the others move down a row, as in the scheduler
+            if step == 1 and b == 1:
+                sequence.extend(plain_steps)
+        if step == 3:  # the first sequence leaves: the others move down a row, as in the scheduler
             batched.move(1, 0)
             batched.move(2, 1)
             sequences, singles = sequences[1:], singles[1:]
+
+
+def test_a_probe_in_a_big_batch_does_not_fill_stale_draft_caches(target, draft, monkeypatch):
+    """After plain steps, a k = 1 probe asks only rows whose draft cache is current."""
+    scheduler = Scheduler(target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
+    for prompt in PROMPTS[:4]:
+        scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
+    scheduler._admit()
+    for sequence in scheduler.active:  # as if 20 plain steps had passed: nobody's draft cache is current
+        sequence.tokens.extend([5] * 20)
+    scheduler.controller.probing = True
+    proposals = scheduler._draft([1, 1, 1, 1])
+    assert [p.num_tokens for p in proposals] == [1, 0, 0, 0]  # one row catches up and probes, not all
+    assert scheduler.draft.behind(0, scheduler.active[0].tokens) == 0
+    assert scheduler.draft.behind(1, scheduler.active[1].tokens) > 8
 
 
 def test_stop_ends_every_request_and_refuses_new_ones(target):

@@ -49,6 +49,7 @@ class AdaptiveController:
     recent_sources: Counter = field(default_factory=Counter)
     plain_streak: int = 0
     chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
+    probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
@@ -73,6 +74,7 @@ class AdaptiveController:
 
     def choose_k(self, batch_size: int = 1) -> int:
         """k for the next step of `batch_size` sequences decoded together (0 = plain decoding)."""
+        self.probing = False
         source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
         if source is None:
             k = self.settings.first_k
@@ -89,6 +91,7 @@ class AdaptiveController:
                 if self.plain_streak >= self.settings.probe_every * batch_size:
                     self.plain_streak = 0
                     k = 1
+                    self.probing = True
             else:
                 self.plain_streak = 0
         self.chosen[k] += 1

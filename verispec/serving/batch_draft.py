@@ -4,9 +4,15 @@ Row b of the draft cache belongs to the sequence in row b of the target cache; t
 both compact (active sequences in rows 0 .. n-1) and moves rows together. Like the single-request
 `DraftModelDrafter`, each row rolls itself back to the longest prefix it shares with the committed
 tokens, so rejected drafts need no separate call.
+
+Rows are filled lazily: a sequence's prompt and everything committed since its last proposal go
+into its draft cache only when it drafts next. In a batch too big for speculation to pay, the
+controller chooses plain steps and the draft model then costs nothing, not even a prefill.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -29,17 +35,17 @@ class BatchedDraftModel:
         self.cache = model.new_cache(max_batch_size, capacity)
         self.cached_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # per row, in cache order
         self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
+        self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
 
-    def add(self, row: int, prompt_ids: list[int]) -> None:
-        """Start a sequence in `row`: prefill all prompt tokens but the last (it is fed with the first draft)."""
+    def add(self, row: int) -> None:
+        """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
         self.cache.lengths[row] = 0
         self.cached_tokens[row] = []
-        self.known_committed[row] = len(prompt_ids)
-        if len(prompt_ids) > 1:
-            view = self.cache.rows(row, row + 1)
-            self.model.forward(torch.tensor([prompt_ids[:-1]]), view, last_only=True)
-            view.commit(len(prompt_ids) - 1)
-            self.cached_tokens[row] = list(prompt_ids[:-1])
+        self.known_committed[row] = 0
+
+    def behind(self, row: int, tokens: list[int]) -> int:
+        """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
+        return len(tokens) - self.known_committed[row]
 
     def move(self, source: int, destination: int) -> None:
         self.cache.move_row(source, destination)
@@ -59,7 +65,7 @@ class BatchedDraftModel:
         return tokens[common:]
 
     def _catch_up(self, row: int, tail: list[int]) -> list[int]:
-        """Feed all but the last token of a long tail (after plain steps) to the row alone; return the rest."""
+        """Feed all but the last token of a long tail (a prompt, or plain steps) to the row alone."""
         if len(tail) <= LONG_TAIL:
             return tail
         view = self.cache.rows(row, row + 1)
@@ -68,18 +74,25 @@ class BatchedDraftModel:
         self.cached_tokens[row].extend(tail[:-1])
         return tail[-1:]
 
-    def _feed(self, inputs: list[list[int]]) -> torch.Tensor:
-        """Append each row's tokens (ragged) to rows 0 .. n-1; logits at each row's last token, (n, V')."""
-        n, width = len(inputs), max(len(row) for row in inputs)
+    def _feed(self, inputs: list[list[int] | None]) -> torch.Tensor:
+        """Append each row's tokens (ragged; None = skip the row) to rows 0 .. n-1.
+
+        Returns logits at each row's last token, (n, V'); a skipped row gets a pad whose keys
+        and values are never committed, and its logits mean nothing.
+        """
+        n = len(inputs)
+        width = max(len(row) for row in inputs if row is not None)
         ids = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, T)
+        lengths = torch.zeros(n, dtype=torch.long)  # (n,) tokens to commit per row
         for b, row in enumerate(inputs):
-            ids[b, : len(row)] = torch.tensor(row)
-            self.cached_tokens[b].extend(row)
+            if row is not None:
+                ids[b, : len(row)] = torch.tensor(row)
+                lengths[b] = len(row)
+                self.cached_tokens[b].extend(row)
         view = self.cache.rows(0, n)
         logits = self.model.forward(ids, view)  # (n, T, V')
-        lengths = torch.tensor([len(row) for row in inputs])  # (n,)
         view.commit(lengths)
-        return logits[torch.arange(n), lengths - 1]  # (n, V')
+        return logits[torch.arange(n), (lengths - 1).clamp(min=0)]  # (n, V')
 
     def _to_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., V') over the draft's ids -> (..., V) over the target's (the draft's extra ids are never sampled)."""
@@ -91,16 +104,27 @@ class BatchedDraftModel:
         tokens: list[list[int]],
         k: int,
         params: list[SamplingParams],
-        generators: list[torch.Generator],
+        generators: list[torch.Generator | None],
+        drafting: list[bool] | None = None,
     ) -> list[Proposal]:
-        """k draft tokens for each of the sequences in rows 0 .. n-1 (tokens[b]: row b's committed tokens)."""
+        """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
+
+        Rows with drafting[b] False propose nothing and are not brought up to date.
+        """
         n = len(tokens)
-        tails = [self._catch_up(b, self._sync(b, seq)) for b, seq in enumerate(tokens)]
+        drafting = drafting if drafting is not None else [True] * n
+        if not any(drafting):
+            return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
+        started = time.perf_counter()
+        tails = [self._catch_up(b, self._sync(b, seq)) if drafting[b] else None for b, seq in enumerate(tokens)]
+        self.catch_up_seconds = time.perf_counter() - started
         logits = self._feed(tails)  # (n, V')
-        drafted = torch.empty(n, k, dtype=torch.long)  # (n, k)
+        drafted = torch.zeros(n, k, dtype=torch.long)  # (n, k)
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row: k of (V,) when sampling
         for i in range(k):
             for b in range(n):
+                if not drafting[b]:
+                    continue
                 if params[b].greedy:
                     drafted[b, i] = int(torch.argmax(logits[b, : self.target_vocab_size]))
                 else:
@@ -108,8 +132,10 @@ class BatchedDraftModel:
                     probs[b].append(q)
                     drafted[b, i] = int(sample(q[None], generators[b])[0])
             if i < k - 1:
-                logits = self._feed([[int(t)] for t in drafted[:, i]])  # (n, V')
+                logits = self._feed([[int(drafted[b, i])] if drafting[b] else None for b in range(n)])  # (n, V')
         return [
             Proposal(drafted[b : b + 1], torch.stack(probs[b])[None] if probs[b] else None, k, self.source)
+            if drafting[b]
+            else Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
             for b in range(n)
         ]

@@ -35,7 +35,7 @@ from verispec.models.loading import LoadedModel
 from verispec.models.transformer import Transformer
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import logits_to_probs
-from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.serving.batch_draft import LONG_TAIL, PAD_TOKEN, BatchedDraftModel
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
 
@@ -354,7 +354,7 @@ class Scheduler:
             self.target.model.forward(torch.tensor([prompt[:-1]]), view, last_only=True)
             view.commit(len(prompt) - 1)
         if self.draft is not None:
-            self.draft.add(row, prompt)
+            self.draft.add(row)  # filled when the sequence first drafts
         elif self.drafter in _MODEL_FREE_DRAFTERS:
             sequence.drafter = _MODEL_FREE_DRAFTERS[self.drafter]()
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
@@ -370,9 +370,16 @@ class Scheduler:
         if k_step == 0:
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
         if self.draft is not None:
+            drafting = [k > 0 for k in k_per_row]
+            if self.controller.probing:  # a probe asks only rows whose draft cache is current (else one row)
+                current = [
+                    wants and self.draft.behind(row, s.tokens) <= LONG_TAIL
+                    for row, (wants, s) in enumerate(zip(drafting, active))
+                ]
+                drafting = current if any(current) else [row == 0 and drafting[0] for row in range(len(active))]
             proposals = self.draft.propose(
                 [s.tokens for s in active], k_step,
-                [s.config.sampling for s in active], [s.generator for s in active],
+                [s.config.sampling for s in active], [s.generator for s in active], drafting,
             )
         else:
             proposals = [
@@ -393,8 +400,12 @@ class Scheduler:
         n = len(active)
         started = time.perf_counter()
         k = self._choose_k(n)
+        if self.draft is not None:
+            self.draft.catch_up_seconds = 0.0
         proposals = self._draft([max(0, min(k, s.remaining - 1)) for s in active])
         verifying = time.perf_counter()
+        # Catching a draft cache up after plain steps is not the cost of drafting a position.
+        draft_seconds = verifying - started - (self.draft.catch_up_seconds if self.draft is not None else 0.0)
 
         # One target forward over every row's [pending, drafts...], right-padded to the longest.
         width = 1 + max(p.num_tokens for p in proposals)
@@ -429,7 +440,7 @@ class Scheduler:
             stats.target_forwards += 1
             self.controller.observe(
                 proposal.source or self.drafter, drafted, num_accepted,
-                verifying - started, n * width, finished_at - verifying, batch_size=n,
+                draft_seconds, n * width, finished_at - verifying, batch_size=n,
             )
             sequence.tokens.extend(tokens)
             finish_reason = self._emit(sequence, tokens, finished_at)
