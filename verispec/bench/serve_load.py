@@ -294,8 +294,12 @@ def _plot(out: Path, names: list[str], summaries: list[dict]) -> None:
         clients = [s["concurrency"] for s in rows]
         left.plot(clients, [s["throughput_tokens_per_second"] for s in rows], marker="o", label=name)
         right.plot(clients, [(s["per_token_latency_p50"] or 0) * 1000 for s in rows], marker="o", label=name)
+    levels = sorted({s["concurrency"] for s in summaries})
     left.set(xlabel="concurrent clients", ylabel="tokens / s (all clients)", title="throughput", xscale="log")
     right.set(xlabel="concurrent clients", ylabel="ms per token (p50)", title="per-token latency", xscale="log")
+    for axes in (left, right):
+        axes.set_xticks(levels, [str(level) for level in levels])
+        axes.minorticks_off()
     left.legend()
     fig.tight_layout()
     fig.savefig(out / "serving.png", dpi=120)
