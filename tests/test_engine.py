@@ -151,14 +151,15 @@ def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, 
     assert len(spec.controller(8).chosen) > 1  # it really varied k
 
 
+def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
+    """A broken verifier for negative controls: keeps every draft, then a bonus token from p."""
+    rows, k = draft_token_ids.shape
+    bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
+    return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
+
+
 def test_negative_control_accept_all_fails_the_same_check(target, other, repeating_prompt, monkeypatch):
     """A verifier that accepts every draft emits the drafter's law; the check above must catch it."""
-
-    def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
-        rows, k = draft_token_ids.shape
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
-        return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
-
     monkeypatch.setattr(engine_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)

@@ -249,15 +249,9 @@ def test_batched_sampling_follows_the_target_distribution(target, draft, repeati
 
 
 def test_negative_control_accept_all_in_the_batch_fails(target, draft, repeating_prompt, monkeypatch):
-    from test_engine import exact_two_token_law, law_matches
+    from test_engine import accept_all, exact_two_token_law, law_matches
 
     import verispec.serving.scheduler as scheduler_module
-    from verispec.verify import VerifyResult
-
-    def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
-        rows, k = draft_token_ids.shape
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
-        return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
 
     monkeypatch.setattr(scheduler_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
