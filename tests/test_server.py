@@ -1,7 +1,7 @@
 """`verispec serve` end to end: a real server process, the official openai client, raw httpx for bad input.
 
-One server (module scope) serves the tiny float32 model with itself as draft (k = 3), so greedy
-text must equal the library's plain decoding and every draft is checked by the target.
+One server (module scope) serves the tiny float32 model with another tiny model as draft (k = 3):
+drafts are often rejected, and greedy text must still equal the library's plain decoding.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory) -> str:
+def server(tiny_dir, other_tiny_dir, tmp_path_factory) -> str:
     """Base URL of a running `verispec serve`; its log is shown if it fails to come up."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     command = [
-        sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_dir), "--draft", str(tiny_dir),
+        sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_dir), "--draft", str(other_tiny_dir),
         "--dtype", "float32", "--port", str(port), "--threads", "1", "--k", "3",
         "--max-batch-size", str(MAX_BATCH_SIZE), "--max-waiting", str(MAX_WAITING),
         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--served-model-name", MODEL,
@@ -259,6 +259,9 @@ def test_32_concurrent_streams_each_equal_their_single_output(server, target):
     steps = total(after, "verispec_batch_size_count") - total(before, "verispec_batch_size_count")
     sequences = total(after, "verispec_batch_size_sum") - total(before, "verispec_batch_size_sum")
     assert sequences / steps > 1.5  # the requests really shared target forwards
+    drafted = total(after, "verispec_draft_tokens_total") - total(before, "verispec_draft_tokens_total")
+    accepted = total(after, "verispec_accepted_tokens_total") - total(before, "verispec_accepted_tokens_total")
+    assert 0 < accepted < drafted  # drafts were both kept and rejected on the way
     buckets = {labels: value for (name, labels), value in after.items() if name == "verispec_batch_size_bucket"}
     assert buckets[(("le", "8.0"),)] == buckets[(("le", "+Inf"),)]  # never more than --max-batch-size
 
