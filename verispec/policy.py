@@ -13,11 +13,12 @@ measures them online, on this machine, during the request:
 With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
 per sequence; a batch of b sequences spends draft_cost(b) * k + verify_cost(b * (k + 1)) seconds on
 them. The controller picks argmax E(k) / seconds over k = 0 .. k_max, where k = 0 is plain
-decoding. A single request is b = 1. Plain steps are interrupted by a k = 1 probe every
-probe_every * b steps, unless the costs alone rule drafting out (it would not pay even if every
-draft were accepted): then there is nothing a probe could learn. As the batch grows the verify pass stops being memory-bound
-and costs more per token, so the same acceptance buys less and the chosen k falls. When it has chosen k = 0 for a while it probes with
-k = 1 (one cheap draft token) so it notices when the drafter starts to agree again.
+decoding; a single request is b = 1. As the batch grows the verify pass stops being memory-bound
+and costs more per token, so the same acceptance buys less and the chosen k falls.
+
+When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
+token) so it notices when the drafter starts to agree again; unless the costs alone rule drafting
+out (it would not pay even if every draft were accepted), when a probe could learn nothing.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class AdaptiveController:
         """
         perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost)
         plain = self.expected_rate(0, perfect, batch_size)
-        return any((self.expected_rate(k, perfect, batch_size) or 0.0) > (plain or 0.0) for k in range(1, self.settings.k_max + 1))
+        rates = [self.expected_rate(k, perfect, batch_size) or 0.0 for k in range(1, self.settings.k_max + 1)]
+        return max(rates) > (plain or 0.0)
 
     def observe(
         self,
