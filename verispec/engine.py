@@ -184,19 +184,11 @@ class TextStream:
         target = self.engine.target
         eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
         text = self._text
-        finish_reason = "length"
         started = time.perf_counter()
         # 5. Stop checks after each step: eos id, max_new_tokens, stop strings.
         for step in self.engine._steps(self.prompt_ids, config, self.stats):
-            kept = step.token_ids[: config.max_new_tokens - len(text.token_ids)]
-            eos_at = next((i for i, t in enumerate(kept) if t in eos), None)
-            if eos_at is not None:
-                kept = kept[: eos_at + 1]
-                finish_reason = "stop"
-            text.add(kept)
-            if text.stopped:
-                finish_reason = "stop"
-            done = eos_at is not None or text.stopped or len(text.token_ids) >= config.max_new_tokens
+            finish_reason = text.add_step(step.token_ids, eos, config.max_new_tokens)
+            done = finish_reason is not None
             if done:
                 self._finish(finish_reason, started)
             yield text.release(final=done)

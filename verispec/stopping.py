@@ -37,6 +37,20 @@ class TextAssembler:
             else:
                 self.text = text
 
+    def add_step(self, token_ids: list[int], eos_token_ids: frozenset[int] | set[int], max_tokens: int) -> str | None:
+        """Add one decoding step's tokens: at most max_tokens in all, through the first eos id.
+
+        Returns why the text is done ("stop": an eos id or a stop string; "length": max_tokens), or None.
+        """
+        kept = token_ids[: max_tokens - len(self.token_ids)]
+        eos_at = next((i for i, t in enumerate(kept) if t in eos_token_ids), None)
+        if eos_at is not None:
+            kept = kept[: eos_at + 1]
+        self.add(kept)
+        if eos_at is not None or self.stopped:
+            return "stop"
+        return "length" if len(self.token_ids) >= max_tokens else None
+
     def release(self, final: bool = False) -> str:
         """New text that can no longer change; everything left when final."""
         end = len(self.text)

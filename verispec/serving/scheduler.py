@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import torch
 
-from verispec.drafters import PromptLookupDrafter, SuffixIndexDrafter
+from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
     from verispec.serving.metrics import ServerMetrics
 
 SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "none")
-_MODEL_FREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
-    "prompt-lookup": PromptLookupDrafter,
-    "suffix-index": SuffixIndexDrafter,
-}
 
 
 @dataclass(frozen=True)
@@ -311,7 +308,7 @@ class Scheduler:
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for sequence in waiting:
-            sequence.handle._put(SequenceEvent("", [], "error", _copy(sequence.stats), message))
+            sequence.handle._put(SequenceEvent("", [], "error", dataclasses.replace(sequence.stats), message))
         self._report_queue()
 
     def _drop_cancelled_waiting(self) -> None:
@@ -325,7 +322,7 @@ class Scheduler:
     def _fail_active(self, message: str) -> None:
         """End every active sequence with an error event; their rows are simply reused."""
         for sequence in self.active:
-            sequence.handle._put(SequenceEvent("", [], "error", _copy(sequence.stats), message))
+            sequence.handle._put(SequenceEvent("", [], "error", dataclasses.replace(sequence.stats), message))
             if self.metrics is not None:
                 self.metrics.request_finished("error", sequence.stats.prompt_tokens, sequence.stats.completion_tokens)
         self.active = []
@@ -355,8 +352,8 @@ class Scheduler:
             view.commit(len(prompt) - 1)
         if self.draft is not None:
             self.draft.add(row)  # filled when the sequence first drafts
-        elif self.drafter in _MODEL_FREE_DRAFTERS:
-            sequence.drafter = _MODEL_FREE_DRAFTERS[self.drafter]()
+        elif self.drafter != "none":  # a model-free drafter keeps per-sequence state: one each
+            sequence.drafter = make_drafter(self.drafter, self.target)
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
 
     def _choose_k(self, batch_size: int) -> int:
@@ -453,13 +450,9 @@ class Scheduler:
 
     def _emit(self, sequence: _Sequence, tokens: list[int], now: float) -> str | None:
         """Stream one step's tokens of a sequence; the finish reason when it is done (eos, stop, length)."""
-        config, text = sequence.config, sequence.text
-        kept = tokens[: config.max_new_tokens - sequence.generated]
-        eos_at = next((i for i, t in enumerate(kept) if t in sequence.eos), None)
-        if eos_at is not None:
-            kept = kept[: eos_at + 1]
+        text = sequence.text
         before = sequence.generated
-        text.add(kept)
+        finish_reason = text.add_step(tokens, sequence.eos, sequence.config.max_new_tokens)
         added = text.token_ids[before:]
         stats = sequence.stats
         if added and stats.time_to_first_token is None:
@@ -472,15 +465,11 @@ class Scheduler:
             sequence.last_emit = now
             if self.metrics is not None:
                 self.metrics.tokens_generated(len(added))
-        finish_reason = None
-        if eos_at is not None or text.stopped:
-            finish_reason = "stop"
-        elif sequence.generated >= config.max_new_tokens:
-            finish_reason = "length"
         stats.completion_tokens = sequence.generated
         if finish_reason is not None:
             stats.total_seconds = now - sequence.submitted
-        sequence.handle._put(SequenceEvent(text.release(final=finish_reason is not None), added, finish_reason, _copy(stats)))
+        released = text.release(final=finish_reason is not None)
+        sequence.handle._put(SequenceEvent(released, added, finish_reason, dataclasses.replace(stats)))
         return finish_reason
 
     def _retire(self, sequences: list[_Sequence], reason: str, emitted: bool = False) -> None:
@@ -509,17 +498,13 @@ class Scheduler:
         """End a sequence that has not sent its final event yet (cancelled)."""
         stats = sequence.stats
         stats.total_seconds = time.perf_counter() - sequence.submitted
-        sequence.handle._put(SequenceEvent("", [], reason, _copy(stats)))
+        sequence.handle._put(SequenceEvent("", [], reason, dataclasses.replace(stats)))
         if self.metrics is not None:
             self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
 
     def _report_queue(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue(len(self.active), self.num_waiting)
-
-
-def _copy(stats: SequenceStats) -> SequenceStats:
-    return SequenceStats(**vars(stats))
 
 
 def build_scheduler(
