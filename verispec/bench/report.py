@@ -14,7 +14,8 @@ COLUMNS = [
 ]
 
 
-def _fmt(value, fmt: str) -> str:
+def format_or_dash(value, fmt: str) -> str:
+    """fmt.format(value), or "-" for a value that was not measured (None)."""
     return "-" if value is None else fmt.format(value)
 
 
@@ -28,9 +29,9 @@ def cells(summary: dict) -> list[str]:
         f"{summary['ttft_median']:.2f}",
         f"{summary['latency_p50'] * 1000:.0f} / {summary['latency_p95'] * 1000:.0f}",
         f"{summary['speedup_geomean']:.2f}x [{low:.2f}, {high:.2f}]",
-        _fmt(summary.get("acceptance_rate"), "{:.0%}"),
-        _fmt(summary.get("mean_tokens_per_target_forward"), "{:.2f}"),
-        _fmt(summary.get("identical_to_baseline"), "{:.0%}"),
+        format_or_dash(summary.get("acceptance_rate"), "{:.0%}"),
+        format_or_dash(summary.get("mean_tokens_per_target_forward"), "{:.2f}"),
+        format_or_dash(summary.get("identical_to_baseline"), "{:.0%}"),
     ]
 
 

@@ -12,14 +12,15 @@ import argparse
 import asyncio
 import json
 import shlex
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from verispec.bench.machine import machine_description
+from verispec.bench.report import format_or_dash
 from verispec.bench.workloads import load_workload
 
 
@@ -75,11 +76,7 @@ class LevelResult:
 
 
 def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+    return float(np.percentile(values, 100 * q)) if values else None
 
 
 async def _one_request(
@@ -237,17 +234,14 @@ def _clients(count: int) -> str:
     return f"{count} client" + ("s" if count != 1 else "")
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _row(s: dict) -> list[str]:
     ms = lambda v: None if v is None else v * 1000  # noqa: E731
     return [
-        s["server"], str(s["concurrency"]), _fmt(s["throughput_tokens_per_second"], ".2f"),
-        _fmt(s["ttft_p50"], ".2f"), _fmt(s["ttft_p95"], ".2f"),
-        _fmt(ms(s["per_token_latency_p50"]), ".0f"), _fmt(ms(s["per_token_latency_p95"]), ".0f"),
-        _fmt(s["acceptance_rate"], ".2f"),
+        s["server"], str(s["concurrency"]), format_or_dash(s["throughput_tokens_per_second"], "{:.2f}"),
+        format_or_dash(s["ttft_p50"], "{:.2f}"), format_or_dash(s["ttft_p95"], "{:.2f}"),
+        format_or_dash(ms(s["per_token_latency_p50"]), "{:.0f}"),
+        format_or_dash(ms(s["per_token_latency_p95"]), "{:.0f}"),
+        format_or_dash(s["acceptance_rate"], "{:.2f}"),
     ]
 
 

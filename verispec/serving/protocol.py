@@ -51,6 +51,28 @@ def _unsupported(detail: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", "{detail} is not supported by this server", {"detail": detail})
 
 
+# Fields that would change the output in a way this server does not implement, whenever they are set
+# (non-zero, non-empty, true). The message names what is not supported.
+_REFUSED_WHEN_SET = {
+    "presence_penalty": "a non-zero presence_penalty",
+    "frequency_penalty": "a non-zero frequency_penalty",
+    "logit_bias": "logit_bias",
+    "echo": "echo",
+    "suffix": "suffix (insertion)",
+    "logprobs": "logprobs",  # chat's flag; the completions endpoint refuses any logprobs count, even 0
+    "top_logprobs": "top_logprobs",
+    "tools": "tools (tool calling)",
+    "functions": "functions (tool calling)",
+}
+
+
+def _refuse_when_set(cls, value: Any, info: ValidationInfo) -> Any:
+    """A field validator: a set value of a _REFUSED_WHEN_SET field is a 400 "not supported"."""
+    if value:
+        raise _unsupported(_REFUSED_WHEN_SET[info.field_name])
+    return value
+
+
 def parse_json_object(raw: bytes) -> dict:
     """A request body: UTF-8 JSON holding one object (NaN and Infinity are not JSON)."""
     try:
@@ -155,19 +177,9 @@ class _GenerationRequest(BaseModel):
             raise _unsupported(f"n={value} (one choice per request)")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value:
-            raise _unsupported(f"a non-zero {info.field_name}")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise _unsupported("logit_bias")
-        return value
+    _refuse_generation_fields = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(
+        _refuse_when_set
+    )
 
     @property
     def include_usage(self) -> bool:
@@ -225,13 +237,6 @@ class CompletionRequest(_GenerationRequest):
             raise _unsupported(f"best_of={value}")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("echo")
-        return value
-
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value: int | None) -> int | None:
@@ -239,12 +244,7 @@ class CompletionRequest(_GenerationRequest):
             raise _unsupported("logprobs")
         return value
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise _unsupported("suffix (insertion)")
-        return value
+    _refuse_completion_fields = field_validator("echo", "suffix")(_refuse_when_set)
 
 
 def _is_text_part(part: Any) -> bool:
@@ -282,26 +282,7 @@ class ChatCompletionRequest(_GenerationRequest):
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("logprobs")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise _unsupported("top_logprobs")
-        return value
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _tools(cls, value: list | None, info: ValidationInfo) -> list | None:
-        if value:
-            raise _unsupported(f"{info.field_name} (tool calling)")
-        return value
+    _refuse_chat_fields = field_validator("logprobs", "top_logprobs", "tools", "functions")(_refuse_when_set)
 
     @field_validator("response_format")
     @classmethod
