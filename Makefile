@@ -7,7 +7,7 @@ THREADS ?= 2
 # The CPU build of torch lies on disk here; without it pip would fetch a multi-GB CUDA build.
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install models demo test test-fast bench clean
+.PHONY: install models demo test test-fast bench peers clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -38,6 +38,10 @@ test-fast: install
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores.
 bench: models
 	bash benchmarks/run.sh
+
+# The peers of benchmarks/peers (llama.cpp built from source, vLLM for CPU), each in its own folder.
+peers: models
+	bash benchmarks/peers/setup.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact commands behind the committed results in benchmarks/. Run alone on an idle machine
-# (about 75 minutes on 2 cores for all); `make bench` runs this file. Arguments pick sections:
+# (about 75 minutes on 2 cores for all but peers, which takes about 90 more); `make bench` runs this file. Arguments pick sections:
 #   bash benchmarks/run.sh                 # all
 #   bash benchmarks/run.sh sweep chat      # some
 set -euo pipefail
@@ -42,8 +42,46 @@ serve() {  # the HTTP server at 1, 4 and 16 concurrent streaming clients, with a
     curl -sf http://127.0.0.1:8102/metrics > benchmarks/serve/metrics-spec.txt
 }
 
+peers() {  # against what a user would run instead, served on this machine in one run: llama.cpp and vLLM.
+    # Needs `make peers`; a peer that cannot run here is skipped with its reason in the report.
+    local P=benchmarks/peers
+    local S="--dtype bfloat16 --threads 2 --max-batch-size 16 --max-context 2048"
+    local target draft
+    target=$($V models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f3)
+    draft=$($V models --paths qwen2.5-coder-0.5b-instruct | cut -d' ' -f3)
+    # llama.cpp's own knobs first: its best draft length of 4/8/16 and its better n-gram drafter.
+    $V bench-serve \
+        --server llama-draft-4=http://127.0.0.1:8211/v1 --start "llama-draft-4=$P/serve_llama_cpp.sh draft 8211 4" \
+        --server llama-draft-8=http://127.0.0.1:8212/v1 --start "llama-draft-8=$P/serve_llama_cpp.sh draft 8212 8" \
+        --server llama-draft-16=http://127.0.0.1:8213/v1 --start "llama-draft-16=$P/serve_llama_cpp.sh draft 8213 16" \
+        --server llama-ngram-simple=http://127.0.0.1:8214/v1 --start "llama-ngram-simple=$P/serve_llama_cpp.sh ngram-simple 8214" \
+        --server llama-ngram-mod=http://127.0.0.1:8215/v1 --start "llama-ngram-mod=$P/serve_llama_cpp.sh ngram-mod 8215" \
+        --workload humaneval --limit 4 --concurrency 1 --requests 4 --max-tokens 128 --out $P/llama-cpp-knobs || true
+    local n_max ngram
+    n_max=$(.venv/bin/python $P/best.py $P/llama-cpp-knobs llama-draft- 8)
+    ngram=$(.venv/bin/python $P/best.py $P/llama-cpp-knobs llama- ngram-mod ngram)
+    for workload in humaneval code-edit; do
+        $V bench-serve \
+            --server verispec-plain=http://127.0.0.1:8201/v1 --start "verispec-plain=$V serve --drafter none --port 8201 $S" \
+            --server verispec-draft=http://127.0.0.1:8202/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8202 $S" \
+            --server verispec-suffix=http://127.0.0.1:8203/v1 --start "verispec-suffix=$V serve --drafter suffix-index --port 8203 $S" \
+            --server llama.cpp-plain=http://127.0.0.1:8204/v1 --start "llama.cpp-plain=$P/serve_llama_cpp.sh plain 8204" \
+            --server llama.cpp-draft=http://127.0.0.1:8205/v1 --start "llama.cpp-draft=$P/serve_llama_cpp.sh draft 8205 $n_max" \
+            --server llama.cpp-ngram=http://127.0.0.1:8206/v1 --start "llama.cpp-ngram=$P/serve_llama_cpp.sh $ngram 8206" \
+            --server vllm-plain=http://127.0.0.1:8207/v1 --start "vllm-plain=$P/serve_vllm.sh plain 8207 $target" \
+            --server vllm-draft=http://127.0.0.1:8208/v1 --start "vllm-draft=$P/serve_vllm.sh draft 8208 $target $draft" \
+            --server vllm-ngram=http://127.0.0.1:8209/v1 --start "vllm-ngram=$P/serve_vllm.sh ngram 8209 $target" \
+            --workload $workload --limit 8 --concurrency 1,4 --requests 4,8 --max-tokens 128 --out $P/$workload || true
+    done
+    # llama.cpp's own plain-decoding figures (tokens/s generating 128 tokens, and a 512-token prompt).
+    if [ -x $P/.llama.cpp/bin/llama-bench ]; then
+        $P/.llama.cpp/bin/llama-bench -m "$($V models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f2)" \
+            -t 2 -p 512 -n 128 -r 3 -o md > $P/llama-bench.md
+    fi
+}
+
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve)
+[ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve peers)
 for section in "${sections[@]}"; do
     "${section//-/_}"
 done

@@ -114,3 +114,29 @@ def test_local_directory_without_weights(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="not supported"):
         loading.load_model(tmp_path)
+
+
+def test_assembled_gguf_is_kept_checked_and_reused(fake_model, monkeypatch, tmp_path):
+    """`verispec models --paths` hands peers (llama.cpp) the same checked GGUF file we convert from."""
+    entry, joined = fake_model
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = loading.prepare_catalog_gguf(entry)
+    assert path == loading.cached_gguf("fake-model") and path.read_bytes() == joined
+    stamp = path.stat().st_mtime_ns
+    assert loading.prepare_catalog_gguf(entry) == path and path.stat().st_mtime_ns == stamp  # not assembled again
+    path.with_name(path.name + ".sha256").write_text("0" * 64)  # a file whose check does not match is redone
+    assert loading.prepare_catalog_gguf(entry).read_bytes() == joined
+    bad = CatalogEntry(**{**entry.__dict__, "name": "bad-model", "sha256": "0" * 64})
+    with pytest.raises(ValueError, match="sha256"):
+        loading.prepare_catalog_gguf(bad)
+    assert not loading.cached_gguf("bad-model").exists()
+    assert not list(loading.cached_gguf("bad-model").parent.glob("bad-model*"))
+
+
+def test_model_paths_command_needs_known_installed_models(capsys):
+    from verispec.cli import main
+
+    assert main(["models", "--paths", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["models", "qwen2.5-coder-1.5b-instruct"]) == 2
+    assert "--paths" in capsys.readouterr().err

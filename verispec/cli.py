@@ -116,8 +116,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve_load.add_arguments(
         commands.add_parser("bench-serve", help="load-test running OpenAI-compatible servers at 1, 4, 16... clients")
     )
-    commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
+    models = commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
+    models.add_argument("names", nargs="*", metavar="NAME", help="with --paths: only these catalog models")
+    models.add_argument(
+        "--paths", action="store_true",
+        help="assemble (if needed) and print each installed model's GGUF file and converted safetensors "
+        "directory, one 'NAME GGUF DIR' line each, for other engines (llama.cpp, vLLM) to load",
+    )
+    models.add_argument("--json", action="store_true", help="with --paths: print a JSON object instead")
     return parser
+
+
+def cmd_model_paths(names: list[str], as_json: bool) -> int:
+    """Prepare the models' files once and print where they are: peers read the same weights we do."""
+    from verispec.models.loading import prepare_catalog_gguf, prepare_catalog_model
+
+    unknown = [name for name in names if name not in CATALOG]
+    if unknown:
+        raise ValueError(f"unknown model {unknown[0]!r}; the catalog has: {', '.join(CATALOG)}")
+    entries = [CATALOG[name] for name in names] if names else [e for e in CATALOG.values() if is_installed(e)]
+    if not entries:
+        raise ModelNotInstalledError("no catalog model is installed; run `make models` first")
+    progress = sys.stderr.isatty()
+    paths = {}
+    for entry in entries:  # a missing package raises ModelNotInstalledError with the pip command
+        gguf = prepare_catalog_gguf(entry, progress)
+        paths[entry.name] = {"gguf": str(gguf), "converted": str(prepare_catalog_model(entry, progress))}
+    if as_json:
+        print(json.dumps(paths, indent=2))
+    else:
+        for name, where in paths.items():
+            print(name, where["gguf"], where["converted"])
+    return 0
 
 
 def cmd_models() -> int:
@@ -244,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with benchmark results
     try:
         if args.command == "models":
-            return cmd_models()
+            if args.names and not args.paths:
+                raise ValueError("model names are for --paths: `verispec models --paths NAME ...`")
+            return cmd_model_paths(args.names, args.json) if args.paths else cmd_models()
         if args.command == "bench":
             from verispec.bench.command import run_bench
 

@@ -3,7 +3,13 @@
 Each level keeps `concurrency` streaming clients busy until every prompt of the workload was
 served once. Servers are measured side by side: for each level the servers take turns (order
 rotated per level), so a noisy machine slows all of them alike. Works against any server that
-speaks the OpenAI streaming API (verispec serve, vLLM, llama.cpp's server...).
+speaks the OpenAI streaming API (verispec serve, vLLM, llama.cpp's server...); `--start` has
+bench-serve start a server fresh for each of its turns (see `servers.py`).
+
+No request is lost to a peer's connection handling: a request that fails before any byte of the
+response arrived (a keep-alive connection the server had already closed, a refused connect) is
+sent again on a fresh connection, at most `RETRIES` times. Every error that remains is recorded
+with its type and counted per server.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ import numpy as np
 
 from verispec.bench.machine import machine_description
 from verispec.bench.report import format_or_dash
+from verispec.bench.servers import (
+    ServerSpec, ServerUnavailable, StartedServer, counter_delta, model_of, spec_counters,
+)
 from verispec.bench.workloads import load_workload
+
+RETRIES = 3  # sends of one request beyond the first, each on a fresh connection
 
 
 @dataclass
@@ -35,6 +46,8 @@ class RequestRecord:
     text: str = ""
     speculative: dict | None = None  # the server's own stats, when it reports them
     error: str | None = None
+    error_type: str | None = None  # e.g. "RemoteProtocolError", "HTTP 500"
+    retries: int = 0  # sends again on a fresh connection after failing before any response byte
 
 
 @dataclass
@@ -43,6 +56,8 @@ class LevelResult:
     concurrency: int
     wall_seconds: float
     requests: list[RequestRecord]
+    startup_seconds: float | None = None  # servers started by bench-serve: from start to serving
+    server_counters: dict | None = None  # the server's speculative counters over this turn (/metrics)
 
     def summary(self) -> dict:
         ok = [r for r in self.requests if r.error is None]
@@ -56,11 +71,26 @@ class LevelResult:
         drafted = sum(s.get("drafted_tokens", 0) for s in spec)
         accepted = sum(s.get("accepted_tokens", 0) for s in spec)
         forwards = sum(s.get("target_forwards", 0) for s in spec)
+        tokens_per_forward = (
+            sum(r.completion_tokens for r in ok if r.speculative) / forwards if forwards else None
+        )
+        counters = self.server_counters or {}
+        if not spec and counters.get("draft_tokens"):  # peers: from their own /metrics
+            drafted, accepted = counters["draft_tokens"], counters.get("accepted_tokens", 0.0)
+            # per verify step: the accepted drafts plus the target's own token
+            tokens_per_forward = 1 + accepted / counters["drafts"] if counters.get("drafts") else None
+        errors_by_type: dict[str, int] = {}
+        for r in self.requests:
+            if r.error is not None:
+                errors_by_type[r.error_type or "error"] = errors_by_type.get(r.error_type or "error", 0) + 1
         return {
             "server": self.server,
             "concurrency": self.concurrency,
             "requests": len(self.requests),
             "errors": len(self.requests) - len(ok),
+            "errors_by_type": errors_by_type,
+            "retries": sum(r.retries for r in self.requests),
+            "startup_seconds": self.startup_seconds,
             "completion_tokens": tokens,
             "wall_seconds": self.wall_seconds,
             "throughput_tokens_per_second": tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
@@ -70,8 +100,7 @@ class LevelResult:
             "per_token_latency_p95": _quantile(per_token, 0.95),
             "request_latency_p50": _quantile([r.finished for r in ok], 0.5),
             "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_target_forward": sum(r.completion_tokens for r in ok if r.speculative) / forwards
-            if forwards else None,
+            "tokens_per_target_forward": tokens_per_forward,
         }
 
 
@@ -80,7 +109,8 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 async def _one_request(
-    client: httpx.AsyncClient, base_url: str, model: str, item: dict, max_tokens: int, temperature: float, level_start: float
+    client: httpx.AsyncClient, base_url: str, model: str, item: dict, max_tokens: int, temperature: float,
+    level_start: float, retries: int = RETRIES,
 ) -> RequestRecord:
     chat = "messages" in item
     body = {
@@ -88,14 +118,32 @@ async def _one_request(
         "stream_options": {"include_usage": True},
     }
     body.update({"messages": item["messages"]} if chat else {"prompt": item["prompt"]})
-    path = "/chat/completions" if chat else "/completions"
+    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
     start = time.perf_counter()
     record = RequestRecord(str(item["id"]), start - level_start, None, 0.0)
+    responded = await _stream_into(record, client, url, body, chat, start)
+    while record.error is not None and not responded and record.retries < retries:
+        # Nothing came back (a keep-alive connection the server had closed, a refused connect): send again, fresh.
+        record.retries += 1
+        record.error = record.error_type = None
+        async with httpx.AsyncClient(timeout=client.timeout, limits=httpx.Limits(max_keepalive_connections=0)) as fresh:
+            responded = await _stream_into(record, fresh, url, body, chat, start)
+    record.finished = time.perf_counter() - start
+    return record
+
+
+async def _stream_into(
+    record: RequestRecord, client: httpx.AsyncClient, url: str, body: dict, chat: bool, start: float
+) -> bool:
+    """Send one request and read its stream into `record`; True once any byte of a response arrived."""
+    responded = False
     try:
-        async with client.stream("POST", base_url.rstrip("/") + path, json=body) as response:
+        async with client.stream("POST", url, json=body) as response:
+            responded = True
             if response.status_code != 200:
+                record.error_type = f"HTTP {response.status_code}"
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
-                return record
+                return responded
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -111,10 +159,12 @@ async def _one_request(
                     record.completion_tokens = chunk["usage"].get("completion_tokens", 0)
                 if chunk.get("speculative"):
                     record.speculative = chunk["speculative"]
-    except httpx.HTTPError as error:
+        if not record.completion_tokens:  # a server that reports no usage: one token per text chunk
+            record.completion_tokens = len(record.chunk_times)
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        record.error_type = type(error).__name__
         record.error = f"{type(error).__name__}: {error}"
-    record.finished = time.perf_counter() - start
-    return record
+    return responded
 
 
 async def run_level(
@@ -136,9 +186,20 @@ async def run_level(
     return LevelResult(server, concurrency, time.perf_counter() - level_start, records)
 
 
-def _prompts_for_level(prompts: list[dict], concurrency: int, per_client: int) -> list[dict]:
-    """`per_client` requests per client, cycling through the workload."""
-    return [prompts[i % len(prompts)] for i in range(concurrency * per_client)]
+def _prompts_for_level(prompts: list[dict], count: int) -> list[dict]:
+    """`count` requests, cycling through the workload."""
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def _requests_per_level(args: argparse.Namespace, levels: list[int]) -> list[int]:
+    if args.requests is None:
+        return [concurrency * args.requests_per_client for concurrency in levels]
+    counts = [int(c) for c in args.requests.split(",") if c.strip()]
+    if len(counts) == 1:
+        counts *= len(levels)
+    if len(counts) != len(levels) or min(counts) < 1:
+        raise ValueError(f"--requests takes one positive count, or one per --concurrency level, got {args.requests!r}")
+    return counts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,34 +207,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--server", action="append", required=True, metavar="NAME=URL",
         help="a server to measure, e.g. spec=http://127.0.0.1:8000/v1 (repeat to compare servers side by side)",
     )
+    parser.add_argument(
+        "--start", action="append", default=[], metavar="NAME=COMMAND",
+        help="a shell command that starts server NAME: run fresh for each of its turns and stopped after it, "
+        "so servers that do not fit in memory together still take turns; one that exits before serving is "
+        "skipped with its last output line as the reason",
+    )
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds a started server has to answer")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models)")
     parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of the workload")
     parser.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
     parser.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
+    parser.add_argument(
+        "--requests", default=None, metavar="N[,N...]",
+        help="requests per level instead: one count, or one per --concurrency level (e.g. 4,8)",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured short requests before each turn")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/serve"))
 
 
-def _parse_servers(values: list[str]) -> list[tuple[str, str]]:
-    servers = []
+def _parse_servers(values: list[str], starts: list[str]) -> list[ServerSpec]:
+    urls: dict[str, str] = {}
     for value in values:
         name, sep, url = value.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
             raise ValueError(f"--server takes NAME=URL with an http(s) URL, got {value!r}")
-        servers.append((name, url))
-    return servers
+        if name in urls:
+            raise ValueError(f"--server {name!r} is given twice; each server needs its own name")
+        urls[name] = url
+    commands: dict[str, str] = {}
+    for value in starts:
+        name, sep, command = value.partition("=")
+        if not sep or not command.strip():
+            raise ValueError(f"--start takes NAME=COMMAND, got {value!r}")
+        if name not in urls:
+            raise ValueError(f"--start names {name!r}, which no --server NAME=URL gives")
+        commands[name] = command
+    return [ServerSpec(name, url, commands.get(name)) for name, url in urls.items()]
 
 
-def _model_of(url: str) -> str:
-    """The first model a server lists; also checks that the server answers at all."""
-    try:
-        response = httpx.get(url.rstrip("/") + "/models", timeout=30)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
-        raise RuntimeError(f"cannot list models at {url}/models ({error}); is the server running?") from None
+def _warm_up(url: str, model: str, item: dict, count: int) -> None:
+    """Unmeasured requests, so no server's first (compiling, allocating) request lands in its figures."""
+    for _ in range(count):
+        asyncio.run(run_level("warmup", url, model, [item], 1, 8, 0.0))
 
 
 def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -181,7 +260,7 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
     from rich.table import Table
 
     console = Console(stderr=True)
-    servers = _parse_servers(args.server)
+    servers = _parse_servers(args.server, args.start)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency takes positive integers, got {args.concurrency!r}")
@@ -189,38 +268,67 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
         raise ValueError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    counts = _requests_per_level(args, levels)
     prompts = load_workload(args.workload, args.limit)
-    models = {name: args.model or _model_of(url) for name, url in servers}
+    # Servers already running must answer now: a typo in a URL fails before any measuring.
+    models = {s.name: args.model or model_of(s.url) for s in servers if s.start_command is None}
+    skipped: dict[str, str] = {}
     results: list[LevelResult] = []
-    for index, concurrency in enumerate(levels):
+    for index, (concurrency, count) in enumerate(zip(levels, counts)):
         order = servers[index % len(servers):] + servers[: index % len(servers)]  # rotate who goes first
-        for name, url in order:
-            batch = _prompts_for_level(prompts, concurrency, args.requests_per_client)
-            console.print(f"[bold]{name}[/bold]: {len(batch)} requests, {concurrency} concurrent clients ...")
-            level = asyncio.run(run_level(name, url, models[name], batch, concurrency, args.max_tokens, args.temperature))
+        for spec in order:
+            if spec.name in skipped:
+                continue
+            batch = _prompts_for_level(prompts, count)
+            if spec.start_command:
+                console.print(f"[bold]{spec.name}[/bold]: starting ...")
+            try:
+                started = StartedServer(spec, args.out / "logs" / f"{spec.name}.log", args.start_timeout)
+            except ServerUnavailable as why:
+                skipped[spec.name] = str(why)
+                console.print(f"[bold]{spec.name}[/bold]: skipped: {why}")
+                continue
+            try:
+                model = models.get(spec.name) or args.model or model_of(spec.url)
+                _warm_up(spec.url, model, prompts[0], args.warmup)
+                console.print(f"[bold]{spec.name}[/bold]: {len(batch)} requests, {concurrency} concurrent clients ...")
+                before = spec_counters(spec.root)
+                level = asyncio.run(run_level(spec.name, spec.url, model, batch, concurrency, args.max_tokens, args.temperature))
+                level.server_counters = counter_delta(before, spec_counters(spec.root))
+                level.startup_seconds = started.startup_seconds
+            finally:
+                started.stop()
             results.append(level)
             s = level.summary()
             console.print(
                 f"  {s['throughput_tokens_per_second']:.2f} tok/s, TTFT p50 {s['ttft_p50'] or 0:.2f} s, "
-                f"errors {s['errors']}"
+                f"errors {s['errors']}" + (f" {s['errors_by_type']}" if s["errors"] else "")
+                + (f", retried {s['retries']}" if s["retries"] else "")
             )
+    if not results:
+        raise RuntimeError("no server could be measured: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     summaries = [r.summary() for r in results]
+    measured = [spec.name for spec in servers if spec.name not in skipped]
     if args.temperature == 0:
-        _add_agreement(summaries, results)
-    _write(args, argv, servers, summaries, results)
+        _add_agreement(summaries, results, measured[0])
+    _write(args, argv, servers, measured, summaries, results, skipped)
     table = Table(title=f"serving: {args.workload}, {args.max_tokens} tokens")
-    for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept"):
+    for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept",
+                   "tok/fwd", "errors"):
         table.add_column(column)
     for s in summaries:
         table.add_row(*_row(s))
     console.print(table)
+    for name, why in skipped.items():
+        console.print(f"{name}: skipped: {why}")
     console.print(f"results in {args.out}/")
     return 0 if all(s["errors"] == 0 for s in summaries) else 1
 
 
-def _add_agreement(summaries: list[dict], results: list[LevelResult]) -> None:
-    """Greedy runs: the fraction of requests whose text equals the first server's for the same prompt."""
-    baseline = results[0].server
+def _add_agreement(summaries: list[dict], results: list[LevelResult], baseline: str) -> None:
+    """Greedy runs: the fraction of requests whose text equals the baseline server's for the same prompt."""
     reference = {
         (r.concurrency, q.prompt_id): q.text for r in results if r.server == baseline for q in r.requests if not q.error
     }
@@ -241,24 +349,41 @@ def _row(s: dict) -> list[str]:
         format_or_dash(s["ttft_p50"], "{:.2f}"), format_or_dash(s["ttft_p95"], "{:.2f}"),
         format_or_dash(ms(s["per_token_latency_p50"]), "{:.0f}"),
         format_or_dash(ms(s["per_token_latency_p95"]), "{:.0f}"),
-        format_or_dash(s["acceptance_rate"], "{:.2f}"),
+        format_or_dash(s["acceptance_rate"], "{:.2f}"), format_or_dash(s["tokens_per_target_forward"], "{:.2f}"),
+        str(s["errors"]) + "".join(f" ({count} {kind})" for kind, count in s["errors_by_type"].items()),
     ]
 
 
-def _write(args, argv, servers, summaries: list[dict], results: list[LevelResult]) -> None:
+def _write(
+    args, argv, servers: list[ServerSpec], names: list[str], summaries: list[dict], results: list[LevelResult],
+    skipped: dict[str, str],
+) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     command = "verispec bench-serve " + shlex.join(argv) if argv is not None else None
-    meta = {"command": command, "machine": machine_description(), "servers": dict(servers),
+    meta = {"command": command, "machine": machine_description(), "servers": {s.name: s.url for s in servers},
+            "started_with": {s.name: s.start_command for s in servers if s.start_command}, "skipped": skipped,
             "workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature}
     raw = [{"server": r.server, "concurrency": r.concurrency, "wall_seconds": r.wall_seconds,
+            "startup_seconds": r.startup_seconds, "server_counters": r.server_counters,
             "requests": [asdict(q) for q in r.requests]} for r in results]
     (out / "results.json").write_text(json.dumps({"meta": meta, "summaries": summaries, "raw": raw}, indent=1))
-    names = [name for name, _ in servers]
     lines = [f"# Serving benchmark: {args.workload}", "", f"Command: `{command}`", "",
-             "| server | clients | tok/s | TTFT p50 s | TTFT p95 s | ms/token p50 | ms/token p95 | acceptance |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| server | clients | tok/s | TTFT p50 s | TTFT p95 s | ms/token p50 | ms/token p95 | acceptance "
+             "| tok/forward | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(_row(s)) + " |" for s in summaries]
+    lines += ["", "Acceptance and tokens per forward: verispec's from each response's `speculative` stats; "
+              "peers' from their own /metrics over the turn (`spec_decode_*` counters: accepted / drafted "
+              "tokens, and 1 + accepted / verify steps)."]
+    retried = sum(s["retries"] for s in summaries)
+    if retried:
+        lines += ["", f"Requests sent again on a fresh connection after failing before any response byte: {retried}."]
+    if skipped:
+        lines += ["", "Not measured:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
+    if meta["started_with"]:
+        lines += ["", "Servers started by bench-serve for each turn (startup seconds per turn in results.json):", ""]
+        lines += [f"- {name}: `{command_line}`" for name, command_line in meta["started_with"].items()]
     if len(names) > 1:
         lines += ["", f"Throughput relative to `{names[0]}` at the same concurrency:", ""]
         base = {s["concurrency"]: s["throughput_tokens_per_second"] for s in summaries if s["server"] == names[0]}

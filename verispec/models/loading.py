@@ -132,12 +132,44 @@ def _convert_into_cache(name: str, write_gguf, source: dict, progress: bool) -> 
     return final
 
 
+def cached_gguf(name: str) -> Path:
+    """Where `prepare_catalog_gguf` keeps a catalog model's assembled GGUF file."""
+    return cache_root() / "gguf" / f"{name}.gguf"
+
+
+def _gguf_is_ready(entry: CatalogEntry) -> bool:
+    final = cached_gguf(entry.name)
+    checked = final.with_name(final.name + ".sha256")  # written after the sha256 check passed
+    return final.exists() and checked.exists() and checked.read_text().strip() == entry.sha256
+
+
+def prepare_catalog_gguf(entry: CatalogEntry, progress: bool = False) -> Path:
+    """Assemble and check a catalog model's GGUF file once (for peers such as llama.cpp); return its path."""
+    final = cached_gguf(entry.name)
+    checked = final.with_name(final.name + ".sha256")
+    if _gguf_is_ready(entry):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + ".partial")
+    try:
+        bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
+        with bar:
+            assemble_gguf(entry, partial, on_bytes=bar.update)
+        partial.rename(final)
+        checked.write_text(entry.sha256 + "\n")
+    finally:
+        partial.unlink(missing_ok=True)
+    return final
+
+
 def prepare_catalog_model(entry: CatalogEntry, progress: bool = False) -> Path:
     """Assemble, check and convert a catalog model once; return its cached safetensors directory."""
     if is_cached(entry.name):
         return cached_dir(entry.name)
 
     def write_gguf(scratch: Path) -> Path:
+        if _gguf_is_ready(entry):
+            return cached_gguf(entry.name)  # already assembled and checked (`verispec models --paths`)
         path = scratch / "model.gguf"
         bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
         with bar:
