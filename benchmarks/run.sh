@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact commands behind the committed results in benchmarks/. Run alone on an idle machine
-# (about 75 minutes on 2 cores for all but peers, which takes about 90 more); `make bench` runs this file. Arguments pick sections:
+# (about 75 minutes on 2 cores, and 90 more for peers); `make bench` runs this file. Arguments pick sections:
 #   bash benchmarks/run.sh                 # all
 #   bash benchmarks/run.sh sweep chat      # some
 set -euo pipefail
@@ -49,17 +49,24 @@ peers() {  # against what a user would run instead, served on this machine in on
     local target draft
     target=$($V models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f3)
     draft=$($V models --paths qwen2.5-coder-0.5b-instruct | cut -d' ' -f3)
-    # llama.cpp's own knobs first: its best draft length of 4/8/16 and its better n-gram drafter.
+    # The peers' own knobs first: llama.cpp's best draft length of 4/8/16 and its better n-gram
+    # drafter; vLLM's thread binding (auto keeps a core for its busy scheduler; 0-1 computes on both).
     $V bench-serve \
         --server llama-draft-4=http://127.0.0.1:8211/v1 --start "llama-draft-4=$P/serve_llama_cpp.sh draft 8211 4" \
         --server llama-draft-8=http://127.0.0.1:8212/v1 --start "llama-draft-8=$P/serve_llama_cpp.sh draft 8212 8" \
         --server llama-draft-16=http://127.0.0.1:8213/v1 --start "llama-draft-16=$P/serve_llama_cpp.sh draft 8213 16" \
         --server llama-ngram-simple=http://127.0.0.1:8214/v1 --start "llama-ngram-simple=$P/serve_llama_cpp.sh ngram-simple 8214" \
         --server llama-ngram-mod=http://127.0.0.1:8215/v1 --start "llama-ngram-mod=$P/serve_llama_cpp.sh ngram-mod 8215" \
-        --workload humaneval --limit 4 --concurrency 1 --requests 4 --max-tokens 128 --out $P/llama-cpp-knobs || true
-    local n_max ngram
-    n_max=$(.venv/bin/python $P/best.py $P/llama-cpp-knobs llama-draft- 8)
-    ngram=$(.venv/bin/python $P/best.py $P/llama-cpp-knobs llama- ngram-mod ngram)
+        --server vllm-bind-auto=http://127.0.0.1:8216/v1 \
+        --start "vllm-bind-auto=VLLM_CPU_OMP_THREADS_BIND=auto $P/serve_vllm.sh plain 8216 $target" \
+        --server vllm-bind-0-1=http://127.0.0.1:8217/v1 \
+        --start "vllm-bind-0-1=VLLM_CPU_OMP_THREADS_BIND=0-1 $P/serve_vllm.sh plain 8217 $target" \
+        --workload humaneval --limit 4 --concurrency 1 --requests 4 --max-tokens 128 --out $P/knobs || true
+    local n_max ngram bind
+    n_max=$(.venv/bin/python $P/best.py $P/knobs llama-draft- 8)
+    ngram=$(.venv/bin/python $P/best.py $P/knobs llama- ngram-mod ngram)
+    bind=$(.venv/bin/python $P/best.py $P/knobs vllm-bind- auto)
+    export VLLM_CPU_OMP_THREADS_BIND=$bind
     for workload in humaneval code-edit; do
         $V bench-serve \
             --server verispec-plain=http://127.0.0.1:8201/v1 --start "verispec-plain=$V serve --drafter none --port 8201 $S" \
