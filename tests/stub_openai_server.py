@@ -7,8 +7,8 @@ Run as a script: `python tests/stub_openai_server.py --port N [--idle-close SECO
   (`Server disconnected without sending a response`), as with llama.cpp's server.
 - `/v1/completions` streams the prompt's words back, one SSE chunk each, with usage at the end.
   Prompt "fail" answers HTTP 500; prompt "cut" sends one chunk and drops the connection mid-stream.
-- `/metrics` exports peer-style `spec_decode_*` counters: 4 drafted tokens, 3 accepted, in 1 verify
-  step per completion served.
+- `/metrics` exports peer-style `spec_decode_*` counters: per completion of n words served, one
+  verify step that drafted n tokens and accepted n - 1.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ def make_handler(idle_close: float):
                         chunks = [{"choices": [{"text": " " + w}]} for w in words]
                         chunks.append({"choices": [], "usage": {"completion_tokens": len(words)}})
                         writer.write(_response("200 OK", _sse(chunks), "text/event-stream"))
-                        COUNTERS.update(drafts=COUNTERS["drafts"] + 1, draft_tokens=COUNTERS["draft_tokens"] + 4,
-                                        accepted_tokens=COUNTERS["accepted_tokens"] + 3)
+                        # as if one verify step had drafted every word and accepted all but the last
+                        COUNTERS.update(drafts=COUNTERS["drafts"] + 1,
+                                        draft_tokens=COUNTERS["draft_tokens"] + len(words),
+                                        accepted_tokens=COUNTERS["accepted_tokens"] + len(words) - 1)
                 else:
                     writer.write(_response("404 Not Found", b"{}"))
                 await writer.drain()

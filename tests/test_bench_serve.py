@@ -111,10 +111,13 @@ def test_bench_serve_starts_servers_per_turn_counts_errors_and_skips_what_cannot
         assert summary["errors_by_type"] == {"HTTP 500": summary["concurrency"],
                                              "RemoteProtocolError": summary["concurrency"]}
         assert summary["startup_seconds"] > 0
-        # the stub's own counters over the turn: the measured requests only (the warm-up is excluded)
-        assert raw["server_counters"] == {"drafts": served, "draft_tokens": 4 * served, "accepted_tokens": 3 * served}
-        assert summary["acceptance_rate"] == pytest.approx(0.75)
-        assert summary["tokens_per_target_forward"] == pytest.approx(4.0)
+        # the stub's own counters over the turn: the measured requests only (the warm-up is excluded);
+        # each served prompt of n words: one verify step, n drafted, n - 1 accepted
+        tokens = summary["completion_tokens"]
+        assert tokens == 7 * summary["concurrency"]  # 2 + 3 + 2 words per pass over the workload
+        assert raw["server_counters"] == {"drafts": served, "draft_tokens": tokens, "accepted_tokens": tokens - served}
+        assert summary["acceptance_rate"] == pytest.approx(4 / 7)
+        assert summary["tokens_per_target_forward"] == pytest.approx(7 / 3)  # tokens / (tokens - accepted)
     report = (out / "report.md").read_text()
     assert "- nope: exited with code 3 before serving: peer: skipped: no AVX-512 here" in report
     assert "| stub | 2 |" in report and "(2 HTTP 500) (2 RemoteProtocolError)" in report

@@ -10,7 +10,8 @@
 # Environment (defaults in brackets): VLLM_CPU_KVCACHE_SPACE [2] (GiB of KV cache),
 # VLLM_CPU_OMP_THREADS_BIND [auto] (`auto` keeps one core for vLLM's busy scheduler process and
 # runs the model on the rest; `0-1` runs the model on both cores of a 2-core machine, sharing one
-# with the scheduler), VLLM_SERVE_EXTRA (extra arguments for `vllm serve`, split on spaces).
+# with the scheduler), VLLM_GENERATION_CONFIG [qwen-stop/] (a folder with the generation_config.json
+# whose eos_token_id list ends generation), VLLM_SERVE_EXTRA (extra `vllm serve` arguments, split on spaces).
 #
 # Exit 2: bad arguments. Exit 3: vLLM is not installed / cannot run here (one line says why).
 set -euo pipefail
@@ -44,6 +45,10 @@ ARGS=(
     --enforce-eager
     --max-model-len 2048
     --uvicorn-log-level warning
+    # The stop tokens verispec and llama.cpp use for the Qwen pair: <|endoftext|> ends completions,
+    # <|im_end|> chat turns. The model's own generation_config names only <|im_end|>, so without this
+    # vLLM writes past the end of a completion (seen: 128 tokens where the others stop at 29).
+    --generation-config "${VLLM_GENERATION_CONFIG:-$HERE/qwen-stop}"
 )
 case "$MODE" in
     draft)

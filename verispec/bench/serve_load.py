@@ -19,6 +19,7 @@ import asyncio
 import json
 import shlex
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,14 +76,11 @@ class LevelResult:
             sum(r.completion_tokens for r in ok if r.speculative) / forwards if forwards else None
         )
         counters = self.server_counters or {}
-        if not spec and counters.get("draft_tokens"):  # peers: from their own /metrics
+        if not spec and counters.get("draft_tokens"):  # peers: from their own /metrics over the turn
             drafted, accepted = counters["draft_tokens"], counters.get("accepted_tokens", 0.0)
-            # per verify step: the accepted drafts plus the target's own token
-            tokens_per_forward = 1 + accepted / counters["drafts"] if counters.get("drafts") else None
-        errors_by_type: dict[str, int] = {}
-        for r in self.requests:
-            if r.error is not None:
-                errors_by_type[r.error_type or "error"] = errors_by_type.get(r.error_type or "error", 0) + 1
+            # every target forward yields one token of its own plus the drafts it accepted
+            tokens_per_forward = tokens / (tokens - accepted) if tokens > accepted else None
+        errors_by_type = dict(Counter(r.error_type or "error" for r in self.requests if r.error is not None))
         return {
             "server": self.server,
             "concurrency": self.concurrency,
@@ -249,10 +247,14 @@ def _parse_servers(values: list[str], starts: list[str]) -> list[ServerSpec]:
     return [ServerSpec(name, url, commands.get(name)) for name, url in urls.items()]
 
 
-def _warm_up(url: str, model: str, item: dict, count: int) -> None:
+# Not from any workload: a server with a prefix cache (llama.cpp, vLLM) must not get a measured prompt warm.
+WARMUP_ITEM = {"id": "warmup", "prompt": "Write a haiku about warm-up laps."}
+
+
+def _warm_up(url: str, model: str, count: int) -> None:
     """Unmeasured requests, so no server's first (compiling, allocating) request lands in its figures."""
     for _ in range(count):
-        asyncio.run(run_level("warmup", url, model, [item], 1, 8, 0.0))
+        asyncio.run(run_level("warmup", url, model, [WARMUP_ITEM], 1, 8, 0.0))
 
 
 def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -292,7 +294,7 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
                 continue
             try:
                 model = models.get(spec.name) or args.model or model_of(spec.url)
-                _warm_up(spec.url, model, prompts[0], args.warmup)
+                _warm_up(spec.url, model, args.warmup)
                 console.print(f"[bold]{spec.name}[/bold]: {len(batch)} requests, {concurrency} concurrent clients ...")
                 before = spec_counters(spec.root)
                 level = asyncio.run(run_level(spec.name, spec.url, model, batch, concurrency, args.max_tokens, args.temperature))
@@ -375,7 +377,8 @@ def _write(
     lines += ["| " + " | ".join(_row(s)) + " |" for s in summaries]
     lines += ["", "Acceptance and tokens per forward: verispec's from each response's `speculative` stats; "
               "peers' from their own /metrics over the turn (`spec_decode_*` counters: accepted / drafted "
-              "tokens, and 1 + accepted / verify steps)."]
+              "tokens, and completion tokens / (completion tokens - accepted), as each target forward "
+              "yields one token of its own)."]
     retried = sum(s["retries"] for s in summaries)
     if retried:
         lines += ["", f"Requests sent again on a fresh connection after failing before any response byte: {retried}."]
