@@ -107,7 +107,7 @@ code=0
 smoke_test || code=$?
 if [ $code -ne 0 ]; then
     [ "$amx" = ON ] || { echo "llama.cpp: the build fails its smoke test (exit $code, see $PREFIX/smoke.log)" >&2; exit 1; }
-    echo "llama.cpp: the AMX build dies here (exit $code: an illegal instruction in its AMX kernels); rebuilding without AMX" >&2
+    echo "llama.cpp: the AMX build fails its smoke test here (exit $code; 132: an illegal instruction); rebuilding without AMX" >&2
     build OFF
     smoke_test || { echo "llama.cpp: the build fails its smoke test (see $PREFIX/smoke.log)" >&2; exit 1; }
 fi
