@@ -46,9 +46,10 @@ peers() {  # against what a user would run instead, served on this machine in on
     # Needs `make peers`; a peer that cannot run here is skipped with its reason in the report.
     local P=benchmarks/peers
     local S="--dtype bfloat16 --threads 2 --max-batch-size 16 --max-context 2048"
-    local target draft
-    target=$($V models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f3)
-    draft=$($V models --paths qwen2.5-coder-0.5b-instruct | cut -d' ' -f3)
+    local target draft target_gguf
+    { read -r _ target_gguf target && read -r _ _ draft; } < <($V models --paths \
+        qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct)  # lines "NAME GGUF DIR"
+    [ -d "${draft:-}" ] || { echo "peers: the packaged models are missing (run: make models)" >&2; return 1; }
     # The peers' own knobs first: llama.cpp's best draft length of 4/8/16 and its better n-gram
     # drafter; vLLM's thread binding (auto keeps a core for its busy scheduler; 0-1 computes on both).
     $V bench-serve \
@@ -82,7 +83,7 @@ peers() {  # against what a user would run instead, served on this machine in on
     done
     # llama.cpp's own plain-decoding figures (tokens/s generating 128 tokens, and a 512-token prompt).
     if [ -x $P/.llama.cpp/bin/llama-bench ]; then
-        $P/.llama.cpp/bin/llama-bench -m "$($V models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f2)" \
+        $P/.llama.cpp/bin/llama-bench -m "$target_gguf" \
             -t 2 -p 512 -n 128 -r 3 -o md > $P/llama-bench.md
     fi
 }

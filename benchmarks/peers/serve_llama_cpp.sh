@@ -13,8 +13,10 @@ case "$mode" in plain|draft|ngram-simple|ngram-mod) ;; *)
     echo "usage: serve_llama_cpp.sh plain|draft|ngram-simple|ngram-mod PORT [N_MAX]" >&2; exit 2;; esac
 [ -n "$port" ] || { echo "usage: serve_llama_cpp.sh MODE PORT [N_MAX]" >&2; exit 2; }
 [ -x "$server" ] || { echo "llama.cpp: skipped: not built here (run: make peers; see benchmarks/peers/llama_cpp.sh)"; exit 3; }
-target=$(../../.venv/bin/verispec models --paths qwen2.5-coder-1.5b-instruct | cut -d' ' -f2)
-draft=$(../../.venv/bin/verispec models --paths qwen2.5-coder-0.5b-instruct | cut -d' ' -f2)
+# One call: lines "NAME GGUF DIR" for the target, then the draft.
+{ read -r _ target _ && read -r _ draft _; } < <(../../.venv/bin/verispec models --paths \
+    qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct)
+[ -f "${draft:-}" ] || { echo "llama.cpp: the packaged models' GGUF files are missing (run: make models)" >&2; exit 1; }
 # 4 slots for up to 4 concurrent clients, 2048 tokens of context each; /metrics on for the speculative counters.
 args=(-m "$target" --host 127.0.0.1 --port "$port" -t "$threads" -tb "$threads" -c 8192 -np 4 --metrics --no-webui
       -a qwen2.5-coder-1.5b-instruct)

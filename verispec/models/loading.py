@@ -137,26 +137,33 @@ def cached_gguf(name: str) -> Path:
     return cache_root() / "gguf" / f"{name}.gguf"
 
 
+def _gguf_checked_marker(name: str) -> Path:
+    """Holds the sha256 the cached GGUF file was checked against; written only after the check passed."""
+    return cached_gguf(name).with_name(f"{name}.gguf.sha256")
+
+
 def _gguf_is_ready(entry: CatalogEntry) -> bool:
-    final = cached_gguf(entry.name)
-    checked = final.with_name(final.name + ".sha256")  # written after the sha256 check passed
-    return final.exists() and checked.exists() and checked.read_text().strip() == entry.sha256
+    marker = _gguf_checked_marker(entry.name)
+    return cached_gguf(entry.name).exists() and marker.exists() and marker.read_text().strip() == entry.sha256
+
+
+def _assemble(entry: CatalogEntry, destination: Path, progress: bool) -> None:
+    bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
+    with bar:
+        assemble_gguf(entry, destination, on_bytes=bar.update)
 
 
 def prepare_catalog_gguf(entry: CatalogEntry, progress: bool = False) -> Path:
     """Assemble and check a catalog model's GGUF file once (for peers such as llama.cpp); return its path."""
     final = cached_gguf(entry.name)
-    checked = final.with_name(final.name + ".sha256")
     if _gguf_is_ready(entry):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
     try:
-        bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
-        with bar:
-            assemble_gguf(entry, partial, on_bytes=bar.update)
+        _assemble(entry, partial, progress)
         partial.rename(final)
-        checked.write_text(entry.sha256 + "\n")
+        _gguf_checked_marker(entry.name).write_text(entry.sha256 + "\n")
     finally:
         partial.unlink(missing_ok=True)
     return final
@@ -171,9 +178,7 @@ def prepare_catalog_model(entry: CatalogEntry, progress: bool = False) -> Path:
         if _gguf_is_ready(entry):
             return cached_gguf(entry.name)  # already assembled and checked (`verispec models --paths`)
         path = scratch / "model.gguf"
-        bar = _progress_bar(total_bytes(entry), f"assembling {entry.name}", progress)
-        with bar:
-            assemble_gguf(entry, path, on_bytes=bar.update)
+        _assemble(entry, path, progress)
         return path
 
     source = {"catalog": entry.name, "sha256": entry.sha256}
