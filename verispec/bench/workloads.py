@@ -26,8 +26,11 @@ def _humaneval_problems() -> list[dict]:
 
 
 def humaneval() -> list[dict]:
-    """The 164 HumanEval problems; the prompt is the function stub to complete."""
-    return [{"id": p["task_id"], "prompt": p["prompt"]} for p in _humaneval_problems()]
+    """The 164 HumanEval problems; the prompt is the function stub to complete (tests kept for --check)."""
+    return [
+        {"id": p["task_id"], "prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]}
+        for p in _humaneval_problems()
+    ]
 
 
 def _first_local_name(code: str, entry_point: str) -> str | None:
@@ -91,6 +94,7 @@ def _parse_jsonl(text: str, source: str) -> list[dict]:
             raise ValueError(f'{source} line {number}: each message needs string "role" and "content"')
         entry = {"id": str(item.get("id", f"{Path(source).stem}/{number}"))}
         entry.update({"prompt": item["prompt"]} if "prompt" in item else {"messages": item["messages"]})
+        entry.update({key: item[key] for key in ("test", "entry_point") if isinstance(item.get(key), str)})
         prompts.append(entry)
     if not prompts:
         raise ValueError(f"{source} holds no prompts")

@@ -12,12 +12,13 @@ from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
+from verispec.models.linear import FORMATS, measure_formats, w8a8_available
 from verispec.models.loading import LoadedModel, load_model
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", *FORMATS)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -36,10 +37,11 @@ def load_draft_model(
     quantize: str = "auto",
     progress: bool = False,
 ) -> DraftModelDrafter:
-    """Load a same-tokenizer draft model, made cheaper by weight-only quantization.
+    """Load a same-tokenizer draft model, made cheaper by quantization.
 
-    quantize: "auto" = int4 when running in bfloat16 (the draft's cost, not its accuracy, decides
-    the speedup on CPUs), else none; or "none", "int8", "int4". The output is the target's either way.
+    quantize: "auto" = in bfloat16, int4 or w8a8, whichever measures faster for one row on this CPU
+    (the draft's cost, not its accuracy, decides the speedup on CPUs), else none; or one of FORMATS.
+    The output is the target's either way.
     """
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
@@ -96,10 +98,20 @@ def make_drafter(
 def _quantize(draft: LoadedModel, quantize: str) -> None:
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    activations = "s8"
     if quantize == "auto":
-        quantize = "int4" if draft.model.dtype == torch.bfloat16 else "none"
+        quantize = "none"
+        if draft.model.dtype == torch.bfloat16:
+            candidates = ("int4",) + (("w8a8-s8", "w8a8-u8") if w8a8_available() else ())
+            seconds = measure_formats(candidates, torch.bfloat16, rows=(1,))
+            quantize, _, activations = min(seconds, key=seconds.get).partition("-")
+    elif quantize == "w8a8":
+        seconds = measure_formats(("w8a8-s8", "w8a8-u8"), draft.model.dtype, rows=(1,))
+        if not seconds:
+            raise ValueError("--draft-quantize w8a8: oneDNN's int8 kernels do not run here; use int4 or none")
+        activations = min(seconds, key=seconds.get).partition("-")[2]
     if quantize != "none":
-        draft.model.quantize(4 if quantize == "int4" else 8)
+        draft.model.quantize(quantize, activations or "s8")
 
 
 __all__ = [

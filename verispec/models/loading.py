@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,39 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
+from verispec.models.linear import FormatChoice, choose_format
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_MARKER = "verispec-cache.json"  # written last: a directory without it is an unfinished conversion
+# The cache holds bfloat16, what runs (and what w8a8 is quantized from) on CPUs with bf16 dot
+# products: half the disk and load memory of float32. Caches written by older versions (float32,
+# no "layout" in the marker) are converted again.
+CACHE_DTYPE = torch.bfloat16
+CACHE_LAYOUT = "bfloat16-v2"
+
+
+@dataclass(frozen=True)
+class ModelFormat:
+    """How a model's weights run: what `--quantize` resolved to, and what loading took."""
+
+    choice: FormatChoice
+    dtype: torch.dtype
+    load_seconds: float  # reading the cache and quantizing (not the one-time GGUF conversion)
+
+    @property
+    def label(self) -> str:
+        """e.g. "w8a8-s8 (bfloat16)": the weight format, then the activation dtype."""
+        return f"{self.choice.label} ({str(self.dtype).removeprefix('torch.')})"
+
+    def as_dict(self) -> dict:
+        return {
+            "format": self.choice.label,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch_invariant": self.choice.weight_format == "w8a8",
+            "load_seconds": round(self.load_seconds, 2),
+            "measured_seconds": {k: round(v, 6) for k, v in (self.choice.seconds or {}).items()},
+        }
 
 
 @dataclass
@@ -35,6 +65,7 @@ class LoadedModel:
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     eos_token_ids: tuple[int, ...]
     directory: Path  # the safetensors directory the weights came from
+    format: ModelFormat | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -80,7 +111,13 @@ def cached_dir(name: str) -> Path:
 
 
 def is_cached(name: str) -> bool:
-    return (cached_dir(name) / CACHE_MARKER).exists()
+    marker = cached_dir(name) / CACHE_MARKER
+    if not marker.exists():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("layout") == CACHE_LAYOUT
+    except (OSError, ValueError):
+        return False
 
 
 def _quiet_transformers(progress: bool):
@@ -95,7 +132,7 @@ def _quiet_transformers(progress: bool):
 
 
 def convert_gguf(gguf_path: Path, destination: Path, progress: bool = False) -> None:
-    """Dequantize a GGUF file into a float32 safetensors directory with its tokenizer."""
+    """Dequantize a GGUF file into a bfloat16 safetensors directory with its tokenizer."""
     transformers = _quiet_transformers(progress)
     # transformers shows its own GGUF progress bar regardless of its settings; library code is quiet.
     quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
@@ -103,7 +140,7 @@ def convert_gguf(gguf_path: Path, destination: Path, progress: bool = False) -> 
         warnings.simplefilter("ignore")
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=CACHE_DTYPE
         )
     # The weights are dequantized now; transformers refuses to save while it still sees the quantizer.
     model.config.quantization_config = None
@@ -124,7 +161,7 @@ def _convert_into_cache(name: str, write_gguf, source: dict, progress: bool) -> 
         convert_gguf(gguf_path, scratch, progress)
         if gguf_path.parent == scratch:
             gguf_path.unlink()
-        (scratch / CACHE_MARKER).write_text(json.dumps(source, indent=2))
+        (scratch / CACHE_MARKER).write_text(json.dumps({**source, "layout": CACHE_LAYOUT}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         scratch.rename(final)
     finally:
@@ -195,11 +232,13 @@ def prepare_gguf_file(path: Path, progress: bool = False) -> Path:
     return _convert_into_cache(name, lambda scratch: path.resolve(), {"gguf": str(path.resolve())}, progress)
 
 
-def _progress_bar(total: int, description: str, enabled: bool):
+def _progress_bar(total: int, description: str, enabled: bool, unit: str = "B"):
     if not enabled:
         return _NullBar()
     from tqdm import tqdm
 
+    if unit != "B":
+        return tqdm(total=total, desc=description, unit=unit)
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024)
 
 
@@ -236,20 +275,34 @@ def _eos_ids(directory: Path, tokenizer, extra: tuple[int, ...]) -> tuple[int, .
 
 
 def load_model(
-    spec: str | Path, dtype: str | torch.dtype = "auto", progress: bool = False
+    spec: str | Path, dtype: str | torch.dtype = "auto", progress: bool = False, quantize: str = "none"
 ) -> LoadedModel:
     """Load a catalog name, a .gguf file or a Hugging Face safetensors directory.
 
     A catalog model is assembled from its installed packages, checked against its sha256 and
     converted into the cache the first time; later loads read the cache.
+
+    quantize: the weight format of every matmul, "auto" or one of FORMATS (verispec.models.linear).
+    "auto" measures the candidates on this CPU (about a second) and picks the fastest; the choice
+    and its measurements are in `LoadedModel.format`. Targets load with "auto" from the CLI and the
+    server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
+    choice = choose_format(quantize, torch_dtype)
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
     config = ModelConfig.from_dir(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = Transformer(config, read_safetensors_dir(directory), torch_dtype)
-    return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory)
+    started = time.perf_counter()
+    weights = read_safetensors_dir(directory)
+    label = f"loading {name}" + ("" if choice.weight_format == "none" else f" as {choice.label}")
+    bar = _progress_bar(config.num_layers, label, progress, unit="layer")
+    with bar:
+        model = Transformer(
+            config, weights, torch_dtype, choice.weight_format, choice.activations, lambda _: bar.update(1)
+        )
+    format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
+    return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
 
 
 def resolve_model(spec: str | Path, progress: bool = False) -> tuple[str, Path, tuple[int, ...]]:

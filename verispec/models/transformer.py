@@ -13,56 +13,7 @@ import torch.nn.functional as F
 
 from verispec.models.config import ModelConfig
 from verispec.models.kv_cache import KVCache
-
-
-INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
-QUANTIZED_MAX_ROWS = 4  # above this many tokens (prefill), the dense matmul beats the int kernels
-
-
-class Linear:
-    """y = x W^T + b, with W in the compute dtype, optionally also as int8 or int4 for few-row inputs.
-
-    Weight-only quantized kernels read fewer bytes per token, which is what decoding a token at a
-    time is bound by; for prefill (many rows) the dense matmul is faster, so both are kept.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight  # (out, in)
-        self.bias = bias  # (out,) or None
-        self.scales: torch.Tensor | None = None  # (out,) int8 scales, or (in/G, out, 2) int4 scales and zeros
-        self.group_size = 0  # > 0 when weight is packed int4 with groups of this many inputs
-        self.dense = weight  # (out, in) unquantized copy: faster than the int kernels for many rows
-
-    def quantize_int8(self) -> None:
-        """Weight-only int8 with one scale per output row: halves the bytes read per token."""
-        w = self.weight.float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (out,)
-        self.weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(torch.bfloat16)
-
-    def quantize_int4(self, group_size: int = 32) -> None:
-        """Weight-only asymmetric int4, one scale and zero per group of `group_size` inputs."""
-        w = self.weight.float()
-        out_features, in_features = w.shape
-        groups = w.view(out_features, in_features // group_size, group_size)  # (out, in/G, G)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=1e-8)
-        q = torch.round((groups - low) / scale).clamp(0, 15).view(out_features, in_features).to(torch.int32)
-        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        self.scales = torch.cat([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-        self.group_size = group_size
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # (N, in)
-        if self.scales is None or flat.shape[0] > QUANTIZED_MAX_ROWS:
-            return F.linear(x, self.dense, self.bias)
-        if self.group_size:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group_size, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
-        y = y.reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+from verispec.models.linear import FORMATS, Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,10 +27,52 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs (prompt prefill) take one masked attention call
+
+
+def _visible_slots(cache: KVCache, num_new: int, mask: torch.Tensor | None) -> list[list[int | torch.Tensor]]:
+    """[b][t]: n when new token t of row b sees cache slots 0 .. n-1 (chains), else their indices (trees)."""
+    lengths = cache.lengths.tolist()
+    if mask is None:
+        return [[length + t + 1 for t in range(num_new)] for length in lengths]
+    rows = []
+    for b, visible in enumerate(mask[:, 0]):  # (T, S) each
+        counts = visible.sum(-1).tolist()
+        rows.append([
+            n if bool(visible[t, :n].all()) else visible[t].nonzero()[:, 0] for t, n in enumerate(counts)
+        ])
+    return rows
+
+
+def _attention_per_row(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_keys: list[list[int | torch.Tensor]]
+) -> torch.Tensor:
+    """Attention one query at a time over exactly the keys it sees, in slot order.
+
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D). A token verified at position p gets the very call
+    (one query, keys 0 .. p) that plain decoding makes for it, so its result is bit-identical; a
+    batched or masked call would reorder the sums with the number of rows. Costs one call per row,
+    small next to the matmuls for the few rows of a verify pass.
+    """
+    out = torch.empty_like(q)  # (B, H, T, D)
+    for b, per_token in enumerate(row_keys):
+        for t, seen in enumerate(per_token):
+            if isinstance(seen, int):
+                k, v = keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen]  # (1, Hkv, n, D)
+            else:
+                k, v = keys[b : b + 1, :, seen], values[b : b + 1, :, seen]  # (1, Hkv, n, D)
+            out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, t : t + 1], k, v, enable_gqa=True
+            )
+    return out
+
+
 class Layer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig) -> None:
+    def __init__(self, take, prefix: str, config: ModelConfig) -> None:
+        """take(name) hands over one weight tensor (and forgets it, so quantizing frees the dense copy)."""
+
         def w(name: str) -> torch.Tensor:
-            return weights[prefix + name]
+            return take(prefix + name)
 
         attn = "self_attn."
         qkv_bias = None
@@ -93,19 +86,52 @@ class Layer:
         self.attn_norm = w("input_layernorm.weight")
         self.mlp_norm = w("post_attention_layernorm.weight")
 
+    @property
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.out, self.gate_up, self.down]
+
 
 class Transformer:
-    """Weights plus a pure forward function; owns no per-request state (that lives in KVCache)."""
+    """Weights plus a pure forward function; owns no per-request state (that lives in KVCache).
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    weight_format: one of FORMATS for every matmul (see verispec.models.linear), applied layer by
+    layer while loading so that the dense weights of one layer are freed before the next is built.
+    `weights` is consumed. on_layer(i) is called after each layer (progress bars).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        weight_format: str = "none",
+        activations: str = "s8",
+        on_layer=None,
+    ) -> None:
         self.config = config
         self.dtype = dtype
-        weights = {name: t.to(dtype) for name, t in weights.items()}
-        self.embed = weights["model.embed_tokens.weight"]  # (V, C)
-        self.layers = [Layer(weights, f"model.layers.{i}.", config) for i in range(config.num_layers)]
-        self.final_norm = weights["model.norm.weight"]
-        head = self.embed if config.tie_word_embeddings else weights.get("lm_head.weight", self.embed)
-        self.lm_head = Linear(head)  # (V, C)
+        self.weight_format = "none"
+        self.activations = activations
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(dtype)
+
+        self.embed = take("model.embed_tokens.weight")  # (V, C)
+        self._check_format(weight_format)
+        self.layers = []
+        for i in range(config.num_layers):
+            layer = Layer(take, f"model.layers.{i}.", config)
+            for linear in layer.linears:
+                linear.quantize(weight_format, activations)
+            self.layers.append(layer)
+            if on_layer is not None:
+                on_layer(i)
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))  # (V, C)
+        self.lm_head.quantize(weight_format, activations)
+        self.weight_format = weight_format
+        weights.clear()  # anything left (an untied lm_head we did not use) is not needed
         self.output_token_ids: torch.Tensor | None = None  # (V',) when the head covers a subset
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).double() / config.head_dim))
         self._inv_freq = inv_freq  # (D/2,)
@@ -116,6 +142,11 @@ class Transformer:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Each row of a forward gets the same logits as that row alone would (w8a8: see forward)."""
+        return self.weight_format == "w8a8"
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype)
@@ -125,29 +156,31 @@ class Transformer:
 
         A drafter may do this to save the cost of the full vocabulary projection; its proposals
         stay verifiable because q is reported over the full vocabulary (zero outside the subset).
+        Call it before quantizing.
         """
+        if self.weight_format != "none":
+            raise ValueError("restrict the output vocabulary before quantizing the model")
         self.output_token_ids = token_ids.long()
         self.lm_head = Linear(self.lm_head.weight[token_ids].contiguous())
 
-    def quantize(self, bits: int) -> None:
-        """Weight-only int8 or int4 for every matmul: only for drafters, the target stays exact.
-
-        A matmul whose shape the int4 kernel cannot tile stays in bfloat16.
-        """
-        if self.dtype != torch.bfloat16:
-            raise ValueError("weight-only quantization runs with bfloat16 activations")
-        if bits not in (4, 8):
-            raise ValueError(f"quantization to {bits} bits is not supported (use 4 or 8)")
+    def quantize(self, weight_format: str, activations: str = "s8") -> None:
+        """Put every matmul of a dense model in `weight_format` (see FORMATS); drafters use this."""
+        self._check_format(weight_format)
+        if self.weight_format != "none":
+            raise ValueError(f"the model is already in {self.weight_format}; load it again to change format")
         for linear in self._linears():
-            out_features, in_features = linear.weight.shape
-            if bits == 8:
-                linear.quantize_int8()
-            elif out_features % 16 == 0 and in_features % INT4_GROUP_SIZE == 0:  # the int4 kernel's tiling
-                linear.quantize_int4(INT4_GROUP_SIZE)
+            linear.quantize(weight_format, activations)
+        self.weight_format = weight_format
+        self.activations = activations
+
+    def _check_format(self, weight_format: str) -> None:
+        if weight_format not in FORMATS:
+            raise ValueError(f"weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
+        if weight_format in ("int8", "int4") and self.dtype != torch.bfloat16:
+            raise ValueError(f"{weight_format} weight-only quantization runs with bfloat16 activations")
 
     def _linears(self) -> list[Linear]:
-        per_layer = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-        return per_layer + [self.lm_head]
+        return [m for layer in self.layers for m in layer.linears] + [self.lm_head]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
@@ -202,6 +235,9 @@ class Transformer:
             positions = cache.lengths[:, None] + torch.arange(num_new)  # (B, T)
         cos, sin = self._rope(positions)  # (B, 1, T, D)
         mask = self._attention_mask(cache, num_new, tree_mask)  # (B, 1, T, S) or None
+        row_keys = None  # batch-invariant attention: for each (b, t), the cache slots it sees
+        if self.batch_invariant and num_new <= INVARIANT_ATTENTION_MAX_ROWS:
+            row_keys = _visible_slots(cache, num_new, mask)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         x = self.embed[input_ids]  # (B, T, C)
@@ -214,7 +250,10 @@ class Transformer:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.write(index, k, v)  # (B, Hkv, S, D)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+            if row_keys is not None:
+                attn = _attention_per_row(q, keys, values, row_keys)  # (B, H, T, D)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + layer.out(attn.transpose(1, 2).reshape(batch, num_new, q_size))
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # (B, T, I) each

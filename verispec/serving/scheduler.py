@@ -518,6 +518,7 @@ def build_scheduler(
     limits: SchedulerLimits = SchedulerLimits(),
     metrics: "ServerMetrics | None" = None,
     progress: bool = False,
+    quantize: str = "auto",
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them."""
     from verispec.drafters import load_draft_model
@@ -525,7 +526,7 @@ def build_scheduler(
 
     if drafter not in SERVED_DRAFTERS:
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
-    target_model = load_model(target, dtype, progress)
+    target_model = load_model(target, dtype, progress, quantize)
     draft_model = None
     if drafter == "draft-model":
         if draft is None or draft.lower() == "none":

@@ -1,0 +1,127 @@
+"""The w8a8 target format: accurate, and batch-invariant bit for bit (what makes greedy speculation exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.models.linear import Linear, choose_format, measure_formats, w8a8_available
+from verispec.models.loading import load_model
+
+pytestmark = pytest.mark.skipif(not w8a8_available(), reason="w8a8 needs oneDNN (x86-64 CPU build of torch)")
+
+
+def fresh_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, len(ids) + 4)
+    return model.forward(torch.tensor([ids]), cache)[0]  # (T, V)
+
+
+def one_at_a_time(model, prefix: list[int], new: list[int]) -> torch.Tensor:
+    """Logits of each of `new` fed one token per forward after `prefix`: plain decoding's calls. (T, V)"""
+    cache = model.new_cache(1, len(prefix) + len(new) + 4)
+    model.forward(torch.tensor([prefix]), cache)
+    cache.commit(len(prefix))
+    rows = []
+    for token in new:
+        rows.append(model.forward(torch.tensor([[token]]), cache)[0, 0])
+        cache.commit(1)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("activations", ["s8", "u8"])
+def test_w8a8_linear_rows_do_not_depend_on_the_other_rows(activations):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator)
+    x = torch.randn(16, 64, generator=generator).to(torch.bfloat16)
+    linear = Linear(weight.to(torch.bfloat16), torch.randn(96, generator=generator).to(torch.bfloat16))
+    linear.quantize("w8a8", activations)
+    full = linear(x)  # (16, 96)
+    for n in (1, 2, 3, 8, 15):
+        assert torch.equal(linear(x[:n]), full[:n])
+        assert torch.equal(linear(x[n - 1 : n]), full[n - 1 : n])
+    reference = x.float() @ weight.to(torch.bfloat16).float().T + linear.bias.float()
+    error = (full.float() - reference).abs().max() / reference.abs().max()
+    assert error < 0.03, f"w8a8 relative error {error:.4f}"
+
+
+def test_w8a8_verify_pass_equals_plain_decoding_bitwise(tiny_dir):
+    """k + 1 tokens in one forward give each row exactly the logits of a one-token forward."""
+    model = load_model(tiny_dir, "bfloat16", quantize="w8a8").model
+    assert model.batch_invariant
+    prefix, new = list(range(3, 40)), [50, 61, 72, 83, 94, 105, 116, 127]
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prefix]), cache)
+    cache.commit(len(prefix))
+    verify = model.forward(torch.tensor([new]), cache)[0]  # (T, V)
+    assert torch.equal(verify, one_at_a_time(model, prefix, new))
+
+
+def test_w8a8_ragged_batch_rows_equal_single_rows(tiny_dir):
+    """A row of a batched verify (other rows longer, padded) equals that sequence verified alone."""
+    model = load_model(tiny_dir, "bfloat16", quantize="w8a8").model
+    prompts = [list(range(3, 20)), list(range(30, 61)), list(range(7, 12))]
+    drafts = [[50, 51, 52, 53], [60, 61, 62, 63], [70, 71, 72, 73]]
+    batch = model.new_cache(3, 64)
+    singles = []
+    for row, prompt in enumerate(prompts):
+        view = batch.rows(row, row + 1)
+        model.forward(torch.tensor([prompt]), view)
+        view.commit(len(prompt))
+        alone = model.new_cache(1, 64)
+        model.forward(torch.tensor([prompt]), alone)
+        alone.commit(len(prompt))
+        singles.append(model.forward(torch.tensor([drafts[row]]), alone)[0])
+    batched = model.forward(torch.tensor(drafts), batch)  # (3, T, V)
+    for row in range(3):
+        assert torch.equal(batched[row], singles[row])
+
+
+def test_w8a8_tree_node_equals_its_path_decoded_plainly(tiny_dir):
+    model = load_model(tiny_dir, "bfloat16", quantize="w8a8").model
+    prefix = list(range(3, 30))
+    # A root with two children: 0 -> 1 and 0 -> 2; node 2 sees the root only.
+    tree = torch.tensor([[[True, False, False], [True, True, False], [True, False, True]]])
+    cache = model.new_cache(1, 64)
+    model.forward(torch.tensor([prefix]), cache)
+    cache.commit(len(prefix))
+    positions = torch.tensor([[len(prefix), len(prefix) + 1, len(prefix) + 1]])
+    logits = model.forward(torch.tensor([[40, 41, 42]]), cache, positions=positions, tree_mask=tree)[0]
+    assert torch.equal(logits[2], one_at_a_time(model, prefix, [40, 42])[1])
+    assert torch.equal(logits[1], one_at_a_time(model, prefix, [40, 41])[1])
+
+
+def test_w8a8_stays_close_to_dense(tiny_dir):
+    dense = load_model(tiny_dir, "bfloat16").model
+    fast = load_model(tiny_dir, "bfloat16", quantize="w8a8").model
+    ids = list(range(10, 40))
+    a, b = fresh_logits(dense, ids), fresh_logits(fast, ids)
+    assert not torch.equal(a, b)  # it is a different model ...
+    correlation = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+    assert correlation > 0.99  # ... that ranks tokens like the dense one
+
+
+def test_auto_format_keeps_exact_dtypes_dense_and_measures_bfloat16():
+    assert choose_format("auto", torch.float32).weight_format == "none"
+    choice = choose_format("auto", torch.bfloat16)
+    assert set(choice.seconds) >= {"none"}  # it measured dense against the w8a8 kernels
+    assert choice.seconds[choice.label if choice.weight_format == "w8a8" else "none"] == min(choice.seconds.values())
+    with pytest.raises(ValueError, match="--quantize 'int3'"):
+        choose_format("int3", torch.bfloat16)
+
+
+def test_a_kernel_this_cpu_lacks_is_left_out_and_auto_falls_back_to_dense(monkeypatch):
+    def no_kernel(self, flat):
+        raise RuntimeError("onednn: unimplemented")  # what a CPU without the int8 kernels answers
+
+    monkeypatch.setattr(Linear, "_w8a8", no_kernel)
+    seconds = measure_formats(("none", "w8a8-s8"), torch.bfloat16, 64, 32, rows=(1,))
+    assert list(seconds) == ["none"] and seconds["none"] > 0
+    assert choose_format("auto", torch.bfloat16).weight_format == "none"
+    with pytest.raises(ValueError, match="do not run on this CPU"):
+        choose_format("w8a8", torch.bfloat16)
+
+
+def test_restricting_the_vocabulary_after_quantizing_is_refused(tiny_dir):
+    model = load_model(tiny_dir, "bfloat16", quantize="w8a8").model
+    with pytest.raises(ValueError, match="before quantizing"):
+        model.restrict_output_vocab(torch.tensor([1, 2]))

@@ -1,0 +1,202 @@
+"""Linear layers in the weight formats a model can run in, and how `auto` picks one by measuring.
+
+Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`):
+  none  dense weights in the compute dtype (F.linear).
+  w8a8  int8 weights (one scale per output row) times int8 activations (one scale per input row),
+        integer accumulation in oneDNN with prepacked weights. Its cost hardly grows with the number
+        of rows up to 16, so a verify pass over k + 1 tokens costs what one token costs. Integer
+        sums are exact and each row has its own scale, so a row's result does not depend on the
+        other rows in the call: the format is batch-invariant, bit for bit.
+  int8  weight-only int8 (`_weight_int8pack_mm`): fast for one row, slower than dense past 4 rows.
+  int4  weight-only int4, groups of 32 inputs (`_weight_int4pack_mm_for_cpu`): idem.
+The weight-only formats keep a dense copy for prefill (many rows), so they serve drafters best.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("none", "w8a8", "int8", "int4")
+QUANTIZE_CHOICES = ("auto", *FORMATS)  # what `--quantize` takes
+INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
+QUANTIZED_MAX_ROWS = 4  # above this many rows (prefill), dense beats the weight-only kernels
+W8A8_ACTIVATIONS = ("s8", "u8")  # signed int8 (AMX) or unsigned with zero point 128 (VNNI); chosen by measuring
+
+
+def w8a8_available() -> bool:
+    """oneDNN's quantized linear is in x86 CPU builds of torch; elsewhere w8a8 cannot run."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: x ~= q * scale. x: (N, K) -> q (N, K) float holding integers, scale (N, 1)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0  # (N, 1)
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+class Linear:
+    """y = x W^T + b with W (out, in) held in one of FORMATS; starts dense in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # (out, in): dense, int8, or int4-packed, depending on the format
+        self.bias = bias  # (out,) or None
+        self.format = "none"
+        self.out_features, self.in_features = weight.shape
+        self.scales: torch.Tensor | None = None  # int8: (out,); int4: (in/G, out, 2) scales and zeros; w8a8: (out,) f32
+        self.dense: torch.Tensor | None = weight  # (out, in) kept by weight-only formats for many-row inputs
+        self.activations = "s8"  # w8a8: how activations are stored (see W8A8_ACTIVATIONS)
+        self._zero_points: torch.Tensor | None = None  # w8a8: (out,) zeros, oneDNN's per-channel weight zero points
+
+    def quantize(self, weight_format: str, activations: str = "s8") -> None:
+        if weight_format == "w8a8":
+            self._quantize_w8a8(activations)
+        elif weight_format == "int8":
+            self._quantize_int8()
+        elif weight_format == "int4":
+            self._quantize_int4()
+        elif weight_format != "none":
+            raise ValueError(f"weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
+
+    def _int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.weight.float()  # (out, in)
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
+        return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+    def _quantize_w8a8(self, activations: str) -> None:
+        if activations not in W8A8_ACTIVATIONS:
+            raise ValueError(f"w8a8 activations {activations!r} are not one of {', '.join(W8A8_ACTIVATIONS)}")
+        q, scales = self._int8_rows()
+        self.weight = torch.ops.onednn.qlinear_prepack(q, None)  # opaque, laid out for this CPU's kernels
+        self.scales = scales  # (out,) float32
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self.bias = None if self.bias is None else self.bias.float()
+        self.dense = None  # w8a8 is also the fastest format for prefill: no dense copy kept
+        self.activations = activations
+        self.format = "w8a8"
+
+    def _quantize_int8(self) -> None:
+        q, scales = self._int8_rows()
+        self.weight, self.scales = q.contiguous(), scales.to(torch.bfloat16)
+        self.format = "int8"
+
+    def _quantize_int4(self, group_size: int = INT4_GROUP_SIZE) -> None:
+        if self.out_features % 16 or self.in_features % group_size:
+            return  # the int4 kernel's tiling cannot hold this shape: it stays dense
+        w = self.weight.float()
+        groups = w.view(self.out_features, self.in_features // group_size, group_size)  # (out, in/G, G)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        q = torch.round((groups - low) / scale).clamp(0, 15).view(self.out_features, self.in_features)
+        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.scales = torch.cat([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8)
+        self.format = "int4"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.format == "w8a8":
+            y = self._w8a8(flat).to(x.dtype)
+        elif self.format == "none" or flat.shape[0] > QUANTIZED_MAX_ROWS:
+            return F.linear(x, self.dense, self.bias)
+        elif self.format == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP_SIZE, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], -1)  # (..., out)
+        return y if self.bias is None or self.format == "w8a8" else y + self.bias
+
+    def _w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) float32; every step is per row, so row n's result ignores the others."""
+        q, row_scales = quantize_rows(flat)  # (N, in), (N, 1)
+        single = q.shape[0] == 1
+        if single:  # oneDNN's one-row kernel is ~2x slower than its two-row one; rows never mix
+            q = q.expand(2, -1)  # (2, in)
+        if self.activations == "s8":
+            q, zero_point = q.to(torch.int8), 0
+        else:
+            q, zero_point = (q + 128).to(torch.uint8), 128
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, zero_point, self.weight, self.scales, self._zero_points, None, 1.0, 0, torch.float32,
+            "none", [None], "",
+        )  # (N, out): exact integer sums times the weight scales
+        if single:
+            y = y[:1]
+        y = y * row_scales
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    weight_format: str  # one of FORMATS
+    activations: str = "s8"  # w8a8 only
+    seconds: dict[str, float] | None = None  # what was measured: candidate -> seconds at 1 and 8 rows
+
+    @property
+    def label(self) -> str:
+        return f"w8a8-{self.activations}" if self.weight_format == "w8a8" else self.weight_format
+
+
+def _time_call(function, repeats: int = 7) -> float:
+    function()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_formats(
+    candidates: tuple[str, ...], dtype: torch.dtype, in_features: int = 1536, out_features: int = 4096,
+    rows: tuple[int, ...] = (1, 8),
+) -> dict[str, float]:
+    """Median seconds of one random in -> out linear, summed over `rows` (one token; a verify pass), per candidate.
+
+    Candidates are FORMATS or "w8a8-s8" / "w8a8-u8"; one that fails to run on this CPU is left out.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
+    inputs = [torch.randn(n, in_features, generator=generator).to(dtype) for n in rows]
+    seconds = {}
+    for candidate in candidates:
+        weight_format, _, activations = candidate.partition("-")
+        linear = Linear(weight.clone())
+        try:
+            linear.quantize(weight_format, activations or "s8")
+            seconds[candidate] = sum(_time_call(lambda x=x: linear(x)) for x in inputs)
+        except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
+            continue
+    return seconds
+
+
+def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
+    """Resolve `--quantize` for a target: "auto" measures w8a8 (both activation kinds) against dense.
+
+    auto keeps dense weights for float32/float16 compute (asking for those asks for their exact
+    arithmetic) and wherever w8a8 cannot run or measures slower. The weight-only formats are not
+    candidates: past 4 rows (every verify pass) they are slower than dense.
+    """
+    if requested not in QUANTIZE_CHOICES:
+        raise ValueError(f"--quantize {requested!r} is not one of auto, {', '.join(FORMATS)}")
+    if requested in ("none", "int8", "int4"):
+        return FormatChoice(requested)
+    if requested == "auto" and (dtype != torch.bfloat16 or not w8a8_available()):
+        return FormatChoice("none")
+    if not w8a8_available():
+        raise ValueError("--quantize w8a8 needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
+    candidates = ("w8a8-s8", "w8a8-u8") + (("none",) if requested == "auto" else ())
+    seconds = measure_formats(candidates, dtype)
+    runnable = {c: s for c, s in seconds.items() if c.startswith("w8a8")}
+    if not runnable:
+        if requested == "w8a8":
+            raise ValueError("--quantize w8a8: oneDNN's int8 kernels do not run on this CPU; use --quantize none")
+        return FormatChoice("none", seconds=seconds)
+    best = min(seconds, key=seconds.get)
+    if best == "none":
+        return FormatChoice("none", seconds=seconds)
+    return FormatChoice("w8a8", best.partition("-")[2], seconds)
