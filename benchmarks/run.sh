@@ -88,6 +88,23 @@ peers() {  # against what a user would run instead, served on this machine in on
     fi
 }
 
+fast() {  # the w8a8 target (serve's default --quantize auto here) against llama.cpp, in one run per workload.
+    # Needs llama.cpp from `make peers`. First what one target forward costs, dense and w8a8, at 1-16 tokens.
+    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8 --out benchmarks/fast/forward-cost
+    local P=benchmarks/peers
+    local S="--threads 2 --max-batch-size 16 --max-context 2048"
+    for workload in humaneval code-edit; do
+        $V bench-serve \
+            --server verispec-plain=http://127.0.0.1:8301/v1 --start "verispec-plain=$V serve --drafter none --port 8301 $S" \
+            --server verispec-draft=http://127.0.0.1:8302/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8302 $S" \
+            --server verispec-suffix=http://127.0.0.1:8303/v1 --start "verispec-suffix=$V serve --drafter suffix-index --port 8303 $S" \
+            --server llama.cpp-plain=http://127.0.0.1:8304/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8304" \
+            --server llama.cpp-draft=http://127.0.0.1:8305/v1 --start "llama.cpp-draft=SLOTS=16 $P/serve_llama_cpp.sh draft 8305 4" \
+            --workload $workload --limit 16 --concurrency 1,4,16 --requests 4,8,16 --max-tokens 128 \
+            --out benchmarks/fast/$workload || true
+    done
+}
+
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve peers)
 for section in "${sections[@]}"; do

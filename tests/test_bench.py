@@ -82,3 +82,46 @@ def test_bench_rejects_bad_arguments(capsys, tiny_dir):
         main(["bench", "--target", str(tiny_dir), "--modes", "plain,warp"])
     assert "unknown mode" in capsys.readouterr().err
     assert main(["bench", "--target", str(tiny_dir), "--workload", "nope"]) == 2
+
+
+def test_pass_at_1_runs_each_completion_against_its_tests():
+    from verispec.bench.checks import completion_of, pass_at_1, passes
+
+    problem = {"id": "t/0", "prompt": "def double(x):\n", "entry_point": "double",
+               "test": "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(-1) == -2\n"}
+    assert completion_of("    return 2 * x\n\ndef other():\n    pass\n") == "    return 2 * x\n"
+    assert completion_of("    return x\n# trailing\n") == "    return x"
+    assert passes(problem, "    return 2 * x\n")
+    assert not passes(problem, "    return x + 2\n")  # right on 2, wrong on -1: the tests decide
+    assert not passes(problem, "    while True:\n        pass\n", timeout=1.0)  # a hang times out, not the bench
+    scores = pass_at_1([problem, {**problem, "id": "t/1"}], {"good": ["    return x * 2", "    return x + x"],
+                                                              "bad": ["    return x", "    return 0"]})
+    assert scores["good"]["pass_at_1"] == 1.0 and scores["bad"]["pass_at_1"] == 0.0
+    assert scores["good"]["passed"] == ["t/0", "t/1"]
+
+
+def test_bench_check_pass_at_1_with_two_target_formats(tmp_path, tiny_dir, other_tiny_dir):
+    workload = tmp_path / "w.jsonl"
+    line = {"prompt": "def double(x):\n", "entry_point": "double",
+            "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
+    workload.write_text(json.dumps(line) + "\n" + json.dumps({**line, "id": "second"}) + "\n")
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--target", str(tiny_dir), "--draft", str(other_tiny_dir), "--workload", str(workload),
+        "--modes", "plain,spec", "--k", "3", "--max-new-tokens", "12", "--dtype", "bfloat16",
+        "--quantize", "none,w8a8", "--check", "pass@1", "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    by_mode = {s["mode"]: s for s in results["summary"]}
+    assert set(by_mode) == {"plain[none]", "spec-k3[none]", f"plain[{results['target_formats'][1]['format']}]",
+                            f"spec-k3[{results['target_formats'][1]['format']}]"}
+    assert all(s["pass_at_1"] == 0.0 for s in by_mode.values())  # random tiny models write no working code
+    w8a8 = [s for name, s in by_mode.items() if "w8a8" in name]
+    assert w8a8[0]["tokens_per_second"] > 0 and results["baseline"] == "plain[none]"
+    assert "pass@1" in (out / "report.md").read_text()
+
+
+def test_bench_check_needs_tests_in_the_workload(capsys, tiny_dir):
+    assert main(["bench", "--target", str(tiny_dir), "--workload", "chat", "--check", "pass@1"]) == 2
+    assert "entry_point" in capsys.readouterr().err

@@ -272,6 +272,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    if scheduler.target.format is not None:
+        metrics.set_target(scheduler.target.format.as_dict())
     model_name = args.served_model_name or args.target
     app = create_app(scheduler, model_name, args.max_request_bytes, metrics)
     print(

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-} port=${2:-} n_max=${3:-8}
 threads=${THREADS:-2}
+slots=${SLOTS:-4}  # parallel sequences (clients served at once), 2048 tokens of context each
 server=.llama.cpp/bin/llama-server
 case "$mode" in plain|draft|ngram-simple|ngram-mod) ;; *)
     echo "usage: serve_llama_cpp.sh plain|draft|ngram-simple|ngram-mod PORT [N_MAX]" >&2; exit 2;; esac
@@ -17,8 +18,8 @@ case "$mode" in plain|draft|ngram-simple|ngram-mod) ;; *)
 { read -r _ target _ && read -r _ draft _; } < <(../../.venv/bin/verispec models --paths \
     qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct)
 [ -f "${draft:-}" ] || { echo "llama.cpp: the packaged models' GGUF files are missing (run: make models)" >&2; exit 1; }
-# 4 slots for up to 4 concurrent clients, 2048 tokens of context each; /metrics on for the speculative counters.
-args=(-m "$target" --host 127.0.0.1 --port "$port" -t "$threads" -tb "$threads" -c 8192 -np 4 --metrics --no-webui
+# $slots slots for up to $slots concurrent clients, 2048 tokens of context each; /metrics on for the speculative counters.
+args=(-m "$target" --host 127.0.0.1 --port "$port" -t "$threads" -tb "$threads" -c $((2048 * slots)) -np "$slots" --metrics --no-webui
       -a qwen2.5-coder-1.5b-instruct)
 case "$mode" in
     plain) exec "$server" "${args[@]}" ;;

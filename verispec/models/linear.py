@@ -62,10 +62,17 @@ class Linear:
         elif weight_format != "none":
             raise ValueError(f"weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
 
-    def _int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.weight.float()  # (out, in)
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
-        return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+    def _int8_rows(self, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 weights (out, in) and float32 scales (out,), one per output row; in chunks of rows so
+        that the float32 temporaries of a large matrix (the 150k-row lm_head) stay small."""
+        q = torch.empty(self.weight.shape, dtype=torch.int8)
+        scales = torch.empty(self.out_features)
+        for start in range(0, self.out_features, chunk):
+            w = self.weight[start : start + chunk].float()  # (chunk, in)
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (chunk,)
+            q[start : start + chunk] = torch.round(w / scale[:, None]).clamp(-127, 127)
+            scales[start : start + chunk] = scale
+        return q, scales
 
     def _quantize_w8a8(self, activations: str) -> None:
         if activations not in W8A8_ACTIVATIONS:

@@ -7,7 +7,7 @@ position is the acceptance rate at that depth (it includes rejections further up
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -20,6 +20,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        self._target = Info("verispec_target", "how the target runs: weight format, dtype, load time", registry=registry)
         # The HTTP layer.
         self._http_requests = Counter(
             "verispec_http_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"],
@@ -71,6 +72,10 @@ class ServerMetrics:
         self._waiting = Gauge("verispec_requests_waiting", "requests queued for a batch slot", registry=registry)
 
     # -- called by the scheduler (its thread) -----------------------------------------------------
+
+    def set_target(self, model_format: dict) -> None:
+        """model_format: LoadedModel.format.as_dict(); exported as labels of verispec_target_info."""
+        self._target.info({k: str(v) for k, v in model_format.items() if not isinstance(v, dict)})
 
     def step(
         self, batch_size: int, drafted_by_position: list[int], accepted_by_position: list[int], seconds: float

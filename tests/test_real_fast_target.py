@@ -1,0 +1,80 @@
+"""The default fast target (w8a8 on CPUs where it wins) on the packaged models: bit-exact greedy.
+
+Default settings, 20 HumanEval and 5 chat prompts, 128 new tokens each: speculative decoding
+(draft model, k chosen by the controller) equals plain decoding token for token, and the serving
+scheduler's batched verify passes equal single requests. Batch invariance is what makes this hold in
+bfloat16, where a dense target flips near-ties (see benchmarks/quantized/).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
+from verispec.bench.workloads import chat, humaneval
+from verispec.models.linear import w8a8_available
+
+pytestmark = [
+    pytest.mark.real,
+    pytest.mark.skipif(not w8a8_available(), reason="w8a8 needs oneDNN (an x86-64 CPU build of torch)"),
+]
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def fast_pair():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    target = load_model(TARGET, quantize="auto")
+    if not target.model.batch_invariant:  # auto measured dense as faster here: test the format itself
+        target = load_model(TARGET, "bfloat16", quantize="w8a8")
+    drafter = load_draft_model(DRAFT, target)
+    yield target, drafter
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def prompts(fast_pair):
+    target, _ = fast_pair
+    code = [p["prompt"] for p in humaneval()[:20]]
+    talk = [target.tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+            for p in chat()[:5]]
+    return code + talk
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(fast_pair, prompts):
+    target, _ = fast_pair
+    engine = SpeculativeEngine(target)
+    return [engine.generate(p, GenerationConfig(max_new_tokens=NEW_TOKENS, k=0)).token_ids for p in prompts]
+
+
+def test_default_speculation_equals_plain_decoding_bit_for_bit(fast_pair, prompts, plain_outputs):
+    target, drafter = fast_pair
+    engine = SpeculativeEngine(target, drafter)
+    drafted = accepted = 0
+    for index, (prompt, want) in enumerate(zip(prompts, plain_outputs)):
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        assert result.token_ids == want, f"prompt {index} differs from plain decoding"
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    assert drafted > 0 and accepted / drafted > 0.5  # the drafts were really verified in multi-row passes
+    assert sum(len(t) for t in plain_outputs) > 20 * NEW_TOKENS // 2  # long outputs, not early stops
+
+
+def test_batched_serving_equals_single_requests(fast_pair, prompts, plain_outputs):
+    from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+    target, drafter = fast_pair
+    scheduler = Scheduler(target, drafter.model, "draft-model", k="auto", limits=SchedulerLimits(8, 32, 2048))
+    handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    scheduler.start()
+    try:
+        events = [list(h.iter_events()) for h in handles]
+    finally:
+        scheduler.stop()
+    for index, (prompt_events, want) in enumerate(zip(events, plain_outputs)):
+        assert [t for e in prompt_events for t in e.token_ids] == want, f"prompt {index} differs when batched"
