@@ -112,6 +112,9 @@ class Transformer:
         self.dtype = dtype
         self.weight_format = "none"
         self.activations = activations
+        # Per-row attention makes w8a8 batch-invariant; a draft model, whose numbers only steer
+        # acceptance, turns it off for one batched attention call.
+        self.invariant_attention = True
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
 
         def take(name: str) -> torch.Tensor:
@@ -145,7 +148,7 @@ class Transformer:
     @property
     def batch_invariant(self) -> bool:
         """Each row of a forward gets the same logits as that row alone would (w8a8: see forward)."""
-        return self.weight_format == "w8a8"
+        return self.weight_format == "w8a8" and self.invariant_attention
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         c = self.config
