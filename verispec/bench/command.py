@@ -123,6 +123,7 @@ def build_modes(args, target, console) -> list:
 
 def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
@@ -202,7 +203,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for column in COLUMNS:
         table.add_column(column, justify="right", overflow="fold")
     for summary in summaries:
-        table.add_row(*cells(summary))
+        table.add_row(*[escape(cell) for cell in cells(summary)])  # "[none]" is not rich markup
     Console().print(table)
 
     args.out.mkdir(parents=True, exist_ok=True)
