@@ -103,6 +103,11 @@ fast() {  # the w8a8 target (serve's default --quantize auto here) against llama
             --workload $workload --limit 16 --concurrency 1,4,16 --requests 4,8,16 --max-tokens 128 \
             --out benchmarks/fast/$workload || true
     done
+    local target_gguf
+    read -r _ target_gguf _ < <($V models --paths qwen2.5-coder-1.5b-instruct)
+    if [ -x $P/.llama.cpp/bin/llama-bench ]; then  # llama.cpp's own plain figures, same session
+        $P/.llama.cpp/bin/llama-bench -m "$target_gguf" -t 2 -p 512 -n 128 -r 3 -o md > benchmarks/fast/llama-bench.md
+    fi
 }
 
 sections=("$@")
