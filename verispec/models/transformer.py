@@ -96,13 +96,14 @@ class Transformer:
 
     weight_format: one of FORMATS for every matmul (see verispec.models.linear), applied layer by
     layer while loading so that the dense weights of one layer are freed before the next is built.
-    `weights` is consumed. on_layer(i) is called after each layer (progress bars).
+    `weights` (a dict of tensors, or loading.SafetensorsWeights: anything with pop, `in` and clear)
+    is consumed. on_layer(i) is called after each layer (progress bars).
     """
 
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights,
         dtype: torch.dtype,
         weight_format: str = "none",
         activations: str = "s8",
