@@ -42,6 +42,19 @@ def _port(text: str) -> int:
     return value
 
 
+def _add_format_arguments(parser: argparse.ArgumentParser) -> None:
+    """--quantize (the target) and --draft-quantize, as generate and serve take them."""
+    parser.add_argument(
+        "--quantize", default="auto", choices=QUANTIZE_CHOICES,
+        help="target weight format: auto (the fastest this CPU runs, measured at load; w8a8 where oneDNN's int8 "
+        "kernels win), none (dense), w8a8 (int8 weights and activations, batch-invariant), int8, int4",
+    )
+    parser.add_argument(
+        "--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
+        help="draft model format (lossless: only acceptance changes); auto: int4 or w8a8, whichever is faster here",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,15 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument(
-        "--quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="target weight format: auto (the fastest this CPU runs, measured at load; w8a8 where oneDNN's int8 "
-        "kernels win), none (dense), w8a8 (int8 weights and activations, batch-invariant), int8, int4",
-    )
-    gen.add_argument(
-        "--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="draft model format (lossless: only acceptance changes); auto: int4 or w8a8, whichever is faster here",
-    )
+    _add_format_arguments(gen)
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
 
@@ -97,15 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument(
-        "--quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="target weight format: auto (the fastest this CPU runs, measured at load; w8a8 where oneDNN's int8 "
-        "kernels win), none (dense), w8a8 (int8 weights and activations, batch-invariant), int8, int4",
-    )
-    serve.add_argument(
-        "--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="draft model format (lossless: only acceptance changes); auto: int4 or w8a8, whichever is faster here",
-    )
+    _add_format_arguments(serve)
     serve.add_argument("--k", type=_k_value, default="auto", help="draft tokens per step, or 'auto' (default)")
     serve.add_argument("--k-max", type=_positive_int, default=8, help="the longest draft 'auto' considers")
     serve.add_argument("--max-batch-size", type=_positive_int, default=defaults.max_batch_size,

@@ -34,25 +34,28 @@ def parse_k_list(text: str) -> list[int | str]:
     return values
 
 
+def _comma_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """Split "a,b" into names from `allowed`; argparse reports anything else with the choices."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
 def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    return modes
+    return _comma_list(text, MODES, "mode")
 
 
 def parse_formats(text: str) -> list[str]:
     from verispec.models.linear import QUANTIZE_CHOICES
 
-    formats = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in QUANTIZE_CHOICES]
-    if unknown or not formats:
-        raise argparse.ArgumentTypeError(f"unknown format(s) {unknown}; choose from {', '.join(QUANTIZE_CHOICES)}")
-    return formats
+    return _comma_list(text, QUANTIZE_CHOICES, "format")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from verispec.models.linear import QUANTIZE_CHOICES
+
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for spec and composite")
     parser.add_argument("--cross-draft", default="smollm2-135m-instruct", help="draft model (own tokenizer) for cross")
@@ -71,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="target weight format(s), comma list of auto, none, w8a8, int8, int4 (auto: the fastest this CPU "
         "runs); with several, every mode runs on each target, named mode[format], against the first one's plain",
     )
-    parser.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "w8a8", "int8", "int4"])
+    parser.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES)
     parser.add_argument(
         "--check", choices=["pass@1"], default=None,
         help="pass@1: run each output against the prompt's own tests (humaneval, or a JSONL with HumanEval's "

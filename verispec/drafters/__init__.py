@@ -99,20 +99,19 @@ def _quantize(draft: LoadedModel, quantize: str) -> None:
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     activations = "s8"
-    if quantize == "auto":
-        quantize = "none"
-        if draft.model.dtype == torch.bfloat16:
-            candidates = ("int4",) + (("w8a8-s8", "w8a8-u8") if w8a8_available() else ())
-            config = draft.model.config  # timed on the draft's own MLP shape, for one row (drafting)
-            seconds = measure_formats(
-                candidates, torch.bfloat16, config.hidden_size, 2 * config.intermediate_size, rows=(1,)
-            )
-            quantize, _, activations = min(seconds, key=seconds.get).partition("-")
-    elif quantize == "w8a8":
-        seconds = measure_formats(("w8a8-s8", "w8a8-u8"), draft.model.dtype, rows=(1,))
+    if quantize == "w8a8" or (quantize == "auto" and draft.model.dtype == torch.bfloat16):
+        candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()
+        if quantize == "auto":
+            candidates = ("int4",) + candidates
+        config = draft.model.config  # timed on the draft's own MLP shape, for one row (drafting)
+        seconds = measure_formats(
+            candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,)
+        )
         if not seconds:
             raise ValueError("--draft-quantize w8a8: oneDNN's int8 kernels do not run here; use int4 or none")
-        activations = min(seconds, key=seconds.get).partition("-")[2]
+        quantize, _, activations = min(seconds, key=seconds.get).partition("-")
+    elif quantize == "auto":
+        quantize = "none"
     if quantize != "none":
         draft.model.quantize(quantize, activations or "s8")
     draft.model.invariant_attention = False  # a draft needs speed, not batch invariance
