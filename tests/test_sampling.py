@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, draw, logits_to_probs, sample
 
 PROBS_4 = torch.tensor([0.4, 0.3, 0.2, 0.1])  # (V,) a reference distribution with distinct values
 LOGITS_4 = PROBS_4.log()  # (V,) softmax(LOGITS_4) == PROBS_4
@@ -66,6 +66,12 @@ def test_greedy_is_one_hot_at_argmax_with_ties_to_lowest_index() -> None:
     probs = logits_to_probs(logits, SamplingParams())  # (2, V)
     assert probs.dtype == torch.float32
     torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_greedy_rows_equal_one_hot_of_the_argmax_bit_for_bit() -> None:
+    logits = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(1)).bfloat16()  # (2, 3, V) with ties
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), 1000).float()  # (2, 3, V)
+    assert torch.equal(logits_to_probs(logits, SamplingParams()), expected)
 
 
 def test_greedy_ignores_the_other_filters() -> None:
@@ -298,3 +304,31 @@ def test_sample_frequencies_follow_probs() -> None:
     freq = torch.bincount(ids, minlength=4).double() / num_draws  # (V,)
     sigma = (PROBS_4.double() * (1 - PROBS_4.double()) / num_draws).sqrt()  # (V,)
     assert ((freq - PROBS_4.double()).abs() <= 5 * sigma).all()
+
+
+# ---- draw -----------------------------------------------------------------------------------
+
+
+def test_draw_of_one_hot_rows_is_their_entry_and_leaves_the_generator_alone() -> None:
+    ids = torch.tensor([3, 151_000, 0])  # (N,)
+    weights = torch.nn.functional.one_hot(ids, 151_936).float() * torch.tensor([[1.0], [0.25], [7.0]])  # (N, V)
+    generator = torch.Generator().manual_seed(10)
+    state = generator.get_state()
+    assert torch.equal(draw(weights, generator), ids)
+    assert torch.equal(generator.get_state(), state)
+
+
+def test_draw_with_any_spread_row_is_one_multinomial_over_all_rows() -> None:
+    """A batch mixing one-hot and spread rows draws exactly what torch.multinomial draws, one-hot rows included."""
+    weights = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 0.0, 2.0]]).repeat(100, 1)  # (N, V)
+    ids = draw(weights, torch.Generator().manual_seed(11))  # (N,)
+    assert torch.equal(ids, torch.multinomial(weights, 1, generator=torch.Generator().manual_seed(11))[:, 0])
+    assert (ids[0::3] == 1).all() and (ids[2::3] == 3).all()
+    assert len(set(ids[1::3].tolist())) > 1
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_draw_leaves_invalid_single_entries_to_multinomial(bad: float) -> None:
+    weights = torch.tensor([[0.0, bad, 0.0]])  # (1, V) one nonzero entry, but not a valid weight
+    with pytest.raises(RuntimeError):
+        draw(weights, torch.Generator().manual_seed(12))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
+from verispec.models.transformer import apply_rotary, rms_norm, rotate_half
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:
@@ -138,3 +140,57 @@ def test_weight_quantization_stays_close(tiny_dir, weight_format):
 def test_weight_only_quantization_needs_bfloat16(tiny_dir):
     with pytest.raises(ValueError, match="bfloat16"):
         load_model(tiny_dir, "float32").model.quantize("int4")
+
+
+# ---- the fast forward's pieces are bit-identical to the plain formulas ----------------------
+
+
+def real_like(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Activations with a few huge channels, as in real residual streams; some exact zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    channel_scales = torch.logspace(-2, 1, shape[-1])[torch.randperm(shape[-1], generator=generator)]  # (C,)
+    x = torch.randn(shape, generator=generator) * channel_scales
+    x[..., :3] *= 400.0
+    x[..., 5::97] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (1, 5, 1536), (3, 7, 1536), (1, 512, 1536), (2, 3, 64)])
+def test_rms_norm_is_the_float32_formula_bit_for_bit(dtype, shape):
+    x = real_like(shape, dtype, seed=shape[1])
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(1))).to(dtype)
+    x32 = x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(rms_norm(x, weight, 1e-6), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_is_rotate_half_bit_for_bit(dtype):
+    x = real_like((2, 5, 14, 128), dtype, seed=3)  # (B, T, H, D)
+    angles = torch.rand(2, 5, 1, 64, generator=torch.Generator().manual_seed(4)).double() * 1000  # (B, T, 1, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, 1, D)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    signed_sin = torch.cat([-sin[..., :64], sin[..., 64:]], dim=-1)
+    assert torch.equal(apply_rotary(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
+
+
+def test_write_plan_is_shared_by_layers_and_matches_a_planless_write():
+    keys = torch.randn(3, 2, 4, 8)  # (B, Hkv, T, D)
+    planned, planless = KVCache(2, 3, 2, 16, 8, torch.float32), KVCache(2, 3, 2, 16, 8, torch.float32)
+    for lengths in ([5, 5, 5], [5, 2, 9]):  # uniform, then ragged
+        for cache in (planned, planless):
+            cache.truncate(0)
+            cache.commit(torch.tensor(lengths))
+        plan = planned.plan_write(4)
+        assert plan.uniform == (len(set(lengths)) == 1) and plan.end == max(lengths) + 4
+        for layer in range(2):
+            got = planned.write(layer, keys + layer, -keys, plan)
+            expected = planless.write(layer, keys + layer, -keys)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+            assert got[0].shape == (3, 2, max(lengths) + 4, 8)
+    assert torch.equal(planned.keys[1], planless.keys[1]) and torch.equal(planned.values[0], planless.values[0])
+    with pytest.raises(ValueError, match="plan"):
+        planned.write(0, keys[:, :, :2], keys[:, :, :2], plan)
+    with pytest.raises(RuntimeError, match="overflow"):
+        planned.plan_write(8)

@@ -226,6 +226,29 @@ def test_one_hot_targets_accept_the_matching_prefix_then_emit_argmax(point_mass:
     assert result.token_ids.tolist() == [[2, 1, 3, -1], [2, 1, 3, 0], [2, -1, -1, -1], [2, 1, -1, -1]]
 
 
+def test_one_hot_targets_emit_the_argmax_without_a_draw_from_the_generator() -> None:
+    """Greedy rows over a real-size vocabulary: the final token needs no randomness, so only u is drawn."""
+    vocab_size = 151_936
+    p = one_hot_rows([7, 150_000, 42], vocab_size).float().expand(2, 3, vocab_size)  # (B, k+1, V) as greedy makes them
+    drafts = torch.tensor([[7, 150_000], [7, 9]])  # (B, k): all accepted (bonus), rejected at 1 (recovered)
+    generator = torch.Generator().manual_seed(13)
+    result = verify(drafts, None, p, generator)
+    assert result.token_ids.tolist() == [[7, 150_000, 42], [7, 150_000, PAD_ID]]
+    only_u = torch.Generator().manual_seed(13)
+    torch.rand((2, 2), generator=only_u, dtype=torch.float32)  # verify's acceptance draws, nothing more
+    assert torch.equal(generator.get_state(), only_u.get_state())
+
+
+def test_batch_mixing_one_hot_and_spread_targets_keeps_both_laws() -> None:
+    """k = 0: even rows are greedy (always the argmax), odd rows draw their bonus from p0."""
+    p0 = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)  # (V,)
+    greedy = one_hot_rows([2], 3)[0]  # (V,)
+    p = torch.stack([greedy, p0]).repeat(NUM_DRAWS, 1)[:, None]  # (2N, 1, V)
+    result = verify(torch.zeros((2 * NUM_DRAWS, 0), dtype=torch.long), None, p, torch.Generator().manual_seed(14))
+    assert (result.token_ids[0::2, 0] == 2).all()
+    assert frequency_mismatch(result.token_ids[1::2, 0], p0) is None
+
+
 def test_k_zero_samples_the_bonus_from_p0() -> None:
     p = one_hot_rows([3], 4).expand(6, 1, 4)  # (B, 1, V)
     drafts = torch.zeros((6, 0), dtype=torch.long)  # (B, 0)

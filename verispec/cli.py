@@ -46,12 +46,13 @@ def _add_format_arguments(parser: argparse.ArgumentParser) -> None:
     """--quantize (the target) and --draft-quantize, as generate and serve take them."""
     parser.add_argument(
         "--quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="target weight format: auto (the fastest this CPU runs, measured at load; w8a8 where oneDNN's int8 "
-        "kernels win), none (dense), w8a8 (int8 weights and activations, batch-invariant), int8, int4",
+        help="target weight format: auto (the fastest batch-invariant format this CPU runs, measured at load), "
+        "none (dense), w4a8 (4-bit weights, int8 activations, verispec's VNNI kernel), w8a8 (int8 weights and "
+        "activations, oneDNN), int8, int4 (weight-only)",
     )
     parser.add_argument(
         "--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
-        help="draft model format (lossless: only acceptance changes); auto: int4 or w8a8, whichever is faster here",
+        help="draft model format (lossless: only acceptance changes); auto: int4, w4a8 or w8a8, whichever is faster here",
     )
 
 
@@ -162,8 +163,7 @@ def cmd_models() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from verispec.models.linear import choose_format
-    from verispec.models.loading import cache_root, is_cached, resolve_dtype
+    from verispec.models.loading import cache_root, is_cached, resolve_dtype, resolve_format
 
     table = Table(title=f"verispec models (cache: {cache_root()})")
     table.add_column("name", no_wrap=True)
@@ -177,7 +177,7 @@ def cmd_models() -> int:
         )
     Console().print(table)
     dtype = resolve_dtype("auto")
-    choice = choose_format("auto", dtype)
+    choice = resolve_format("auto", dtype)
     measured = ", ".join(f"{name} {1000 * seconds:.2f} ms" for name, seconds in (choice.seconds or {}).items())
     print(
         f"--quantize auto on this CPU: {choice.label} with {str(dtype).removeprefix('torch.')} activations"

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.sampling import draw
+
 PAD_ID = -1  # fills token_ids after each row's last output token
 
 
@@ -80,7 +82,7 @@ def verify(
     rows = torch.arange(num_rows, device=p.device)  # (B,)
     p_last = p[rows, num_accepted]  # (B, V) p at the first rejection, or p_k when all were accepted
     q_last = _draft_row(x, draft_probs, num_accepted, vocab_size, dtype)  # (B, V), zeros when all were accepted
-    final = torch.multinomial(_residual(p_last, q_last), 1, generator=generator)  # (B, 1)
+    final = draw(_residual(p_last, q_last), generator)[:, None]  # (B, 1); greedy one-hot rows need no draw
 
     return VerifyResult(token_ids=_assemble(x, num_accepted, final), num_accepted=num_accepted)
 
@@ -134,12 +136,12 @@ def _draft_row(
         return torch.zeros((num_rows, vocab_size), dtype=dtype, device=x.device)  # (B, V)
     rows = torch.arange(num_rows, device=x.device)  # (B,)
     clamped = position.clamp(max=k - 1)  # (B,) a valid index even where position == k
-    if draft_probs is None:
-        q_row = torch.nn.functional.one_hot(x[rows, clamped], vocab_size).to(dtype)  # (B, V)
-    else:
-        q_row = draft_probs[rows, clamped].to(dtype)  # (B, V)
     has_draft = (position < k)[:, None]  # (B, 1)
-    return torch.where(has_draft, q_row, torch.zeros_like(q_row))  # (B, V)
+    if draft_probs is None:
+        q_row = torch.zeros((num_rows, vocab_size), dtype=dtype, device=x.device)  # (B, V)
+        return q_row.scatter_(1, x[rows, clamped][:, None], has_draft.to(dtype))  # (B, V) 1 at the draft, if any
+    q_row = draft_probs[rows, clamped].to(dtype)  # (B, V) a copy (advanced indexing), ours to modify
+    return q_row.masked_fill_(~has_draft, 0.0)  # (B, V)
 
 
 def _residual(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:
@@ -149,9 +151,11 @@ def _residual(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:
     position. So when the mass is below rounding level, the choice changes the output law by
     less than that.
     """
-    residual = (p_row - q_row).clamp(min=0)  # (B, V)
+    residual = (p_row - q_row).clamp_(min=0)  # (B, V)
     mass = residual.sum(dim=-1, keepdim=True)  # (B, 1)
     has_mass = mass > torch.finfo(residual.dtype).eps  # (B, 1)
+    if bool(has_mass.all()):
+        return residual  # (B, V); the usual case, without a pass over the rows
     return torch.where(has_mass, residual, p_row)  # (B, V); multinomial normalises
 
 

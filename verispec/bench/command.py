@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument(
         "--quantize", type=parse_formats, default=["auto"],
-        help="target weight format(s), comma list of auto, none, w8a8, int8, int4 (auto: the fastest this CPU "
+        help="target weight format(s), comma list of auto, none, w4a8, w8a8, int8, int4 (auto: the fastest this CPU "
         "runs); with several, every mode runs on each target, named mode[format], against the first one's plain",
     )
     parser.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES)

@@ -12,8 +12,9 @@ from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
+from verispec.models import w4a8
 from verispec.models.linear import FORMATS, measure_formats, w8a8_available
-from verispec.models.loading import LoadedModel, load_model
+from verispec.models.loading import LoadedModel, load_model, remembered_choice
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
@@ -39,7 +40,7 @@ def load_draft_model(
 ) -> DraftModelDrafter:
     """Load a same-tokenizer draft model, made cheaper by quantization.
 
-    quantize: "auto" = in bfloat16, int4 or w8a8, whichever measures faster for one row on this CPU
+    quantize: "auto" = in bfloat16, int4, w4a8 or w8a8, whichever measures faster for one row on this CPU
     (the draft's cost, not its accuracy, decides the speedup on CPUs), else none; or one of FORMATS.
     The output is the target's either way.
     """
@@ -102,14 +103,20 @@ def _quantize(draft: LoadedModel, quantize: str) -> None:
     if quantize == "w8a8" or (quantize == "auto" and draft.model.dtype == torch.bfloat16):
         candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()
         if quantize == "auto":
-            candidates = ("int4",) + candidates
+            candidates = ("int4",) + candidates + (("w4a8",) if w4a8.unavailable_reason() is None else ())
         config = draft.model.config  # timed on the draft's own MLP shape, for one row (drafting)
-        seconds = measure_formats(
-            candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,)
-        )
-        if not seconds:
+
+        def measure() -> dict:
+            seconds = measure_formats(
+                candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,)
+            )
+            return {"best": min(seconds, key=seconds.get) if seconds else None, "seconds": seconds}
+
+        shape = f"{config.hidden_size}x{2 * config.intermediate_size}"
+        best = remembered_choice(f"draft {quantize} {shape} among {','.join(candidates)}", measure)["best"]
+        if best is None:
             raise ValueError("--draft-quantize w8a8: oneDNN's int8 kernels do not run here; use int4 or none")
-        quantize, _, activations = min(seconds, key=seconds.get).partition("-")
+        quantize, _, activations = best.partition("-")
     elif quantize == "auto":
         quantize = "none"
     if quantize != "none":

@@ -9,7 +9,33 @@ simply never committed, and the next forward overwrites them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Where one forward's new tokens go: worked out once per forward and shared by every layer's write.
+
+    Holds the committed lengths as Python ints, so layers need no tensor op or sync to place keys.
+    """
+
+    lengths: tuple[int, ...]  # committed tokens per row when the forward started
+    num_new: int  # T, new tokens per row
+    end: int  # max(lengths) + T: writes return views over slots [0, end)
+    slots: torch.Tensor | None  # (B, T) slot of each new token when rows differ in length; None when uniform
+    rows: torch.Tensor | None  # (B, 1) row indices to pair with slots; None when uniform
+
+    @property
+    def uniform(self) -> bool:
+        """Every row has the same committed length, so the new tokens fill one slice of slots."""
+        return self.slots is None
+
+    @property
+    def start(self) -> int:
+        """First new slot of every row (uniform plans)."""
+        return self.lengths[0] if self.lengths else 0
 
 
 class KVCache:
@@ -32,26 +58,38 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' keys/values after each row's committed prefix.
-
-        keys, values: (B, H_kv, T, D). Returns views over slots [0, max(lengths) + T), (B, H_kv, S', D).
-        """
-        num_new = keys.shape[2]
-        end = int(self.lengths.max()) + num_new
+    def plan_write(self, num_new: int) -> WritePlan:
+        """Where `num_new` tokens per row go in the next forward's writes (raises if they do not fit)."""
+        lengths = tuple(self.lengths.tolist())
+        end = max(lengths, default=0) + num_new
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} tokens > capacity {self.capacity}")
+        if len(set(lengths)) <= 1:
+            return WritePlan(lengths, num_new, end, None, None)
+        slots = self.lengths[:, None] + torch.arange(num_new)  # (B, T)
+        rows = torch.arange(len(lengths))[:, None]  # (B, 1)
+        return WritePlan(lengths, num_new, end, slots, rows)
+
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, plan: WritePlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys/values after each row's committed prefix.
+
+        keys, values: (B, H_kv, T, D). plan: from plan_write(T), made once per forward; computed
+        here when None. Returns views over slots [0, max(lengths) + T), (B, H_kv, S', D).
+        """
+        if plan is None:
+            plan = self.plan_write(keys.shape[2])
+        elif plan.num_new != keys.shape[2]:
+            raise ValueError(f"the write plan is for {plan.num_new} new tokens, got {keys.shape[2]}")
         k_cache, v_cache = self.keys[layer], self.values[layer]
-        if bool((self.lengths == self.lengths[0]).all()):
-            start = int(self.lengths[0])
-            k_cache[:, :, start:end] = keys
-            v_cache[:, :, start:end] = values
+        if plan.uniform:
+            k_cache[:, :, plan.start : plan.end] = keys
+            v_cache[:, :, plan.start : plan.end] = values
         else:
-            slots = self.lengths[:, None] + torch.arange(num_new)  # (B, T)
-            rows = torch.arange(self.batch_size)[:, None]  # (B, 1)
-            k_cache[rows, :, slots] = keys.transpose(1, 2)  # indexed view is (B, T, H_kv, D)
-            v_cache[rows, :, slots] = values.transpose(1, 2)
-        return k_cache[:, :, :end], v_cache[:, :, :end]
+            k_cache[plan.rows, :, plan.slots] = keys.transpose(1, 2)  # indexed view is (B, T, H_kv, D)
+            v_cache[plan.rows, :, plan.slots] = values.transpose(1, 2)
+        return k_cache.narrow(2, 0, plan.end), v_cache.narrow(2, 0, plan.end)
 
     def commit(self, num_tokens: torch.Tensor | int) -> None:
         """Append the first num_tokens[b] tokens written by the last forward to row b's prefix."""

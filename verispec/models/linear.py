@@ -7,6 +7,9 @@ Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`)
         of rows up to 16, so a verify pass over k + 1 tokens costs what one token costs. Integer
         sums are exact and each row has its own scale, so a row's result does not depend on the
         other rows in the call: the format is batch-invariant, bit for bit.
+  w4a8  4-bit weights (groups of 32 inputs, fp16 scale and zero) times int8 activations (one scale
+        per row), verispec's own AVX-512 VNNI kernel (verispec.models.w4a8, built on first use):
+        half the bytes of w8a8 per token, flat cost up to 8 rows, batch-invariant like w8a8.
   int8  weight-only int8 (`_weight_int8pack_mm`): fast for one row, slower than dense past 4 rows.
   int4  weight-only int4, groups of 32 inputs (`_weight_int4pack_mm_for_cpu`): idem.
 The weight-only formats keep a dense copy for prefill (many rows), so they serve drafters best.
@@ -20,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("none", "w8a8", "int8", "int4")
+from verispec.models import w4a8
+
+FORMATS = ("none", "w4a8", "w8a8", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *FORMATS)  # what `--quantize` takes
 INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
 QUANTIZED_MAX_ROWS = 4  # above this many rows (prefill), dense beats the weight-only kernels
@@ -51,9 +56,12 @@ class Linear:
         self.dense: torch.Tensor | None = weight  # (out, in) kept by weight-only formats for many-row inputs
         self.activations = "s8"  # w8a8: how activations are stored (see W8A8_ACTIVATIONS)
         self._zero_points: torch.Tensor | None = None  # w8a8: (out,) zeros, oneDNN's per-channel weight zero points
+        self.packed: torch.Tensor | None = None  # w4a8: (out/16, in/32, 272) 4-bit codes and group multipliers
 
     def quantize(self, weight_format: str, activations: str = "s8") -> None:
-        if weight_format == "w8a8":
+        if weight_format == "w4a8":
+            self._quantize_w4a8(activations)
+        elif weight_format == "w8a8":
             self._quantize_w8a8(activations)
         elif weight_format == "int8":
             self._quantize_int8()
@@ -75,16 +83,29 @@ class Linear:
         return q, scales
 
     def _quantize_w8a8(self, activations: str) -> None:
+        q, scales = self._int8_rows()
+        self._use_int8(q, scales, activations)
+        self.format = "w8a8"
+
+    def _quantize_w4a8(self, activations: str) -> None:
+        if not w4a8.supports_shape(self.out_features, self.in_features):
+            self._quantize_w8a8(activations)  # the 4-bit kernel's blocks do not tile it; int8 is as exact
+            return
+        w4a8.load_kernel()
+        int8, scales, self.packed = w4a8.quantize(self.weight)  # packed: what one-row passes read
+        self._use_int8(int8, scales, activations)
+        self.format = "w4a8"
+
+    def _use_int8(self, q: torch.Tensor, scales: torch.Tensor, activations: str) -> None:
+        """Run int8 weights q (out, in) with scales (out,) through oneDNN (w8a8, and w4a8's multi-row passes)."""
         if activations not in W8A8_ACTIVATIONS:
             raise ValueError(f"w8a8 activations {activations!r} are not one of {', '.join(W8A8_ACTIVATIONS)}")
-        q, scales = self._int8_rows()
         self.weight = torch.ops.onednn.qlinear_prepack(q, None)  # opaque, laid out for this CPU's kernels
         self.scales = scales  # (out,) float32
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if self.bias is None else self.bias.float()
-        self.dense = None  # w8a8 is also the fastest format for prefill: no dense copy kept
+        self.dense = None  # the int8 matmul is also the fastest for prefill: no dense copy kept
         self.activations = activations
-        self.format = "w8a8"
 
     def _quantize_int8(self) -> None:
         q, scales = self._int8_rows()
@@ -106,7 +127,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, in)
-        if self.format == "w8a8":
+        if self.format in ("w8a8", "w4a8"):
             y = self._w8a8(flat).to(x.dtype)
         elif self.format == "none" or flat.shape[0] > QUANTIZED_MAX_ROWS:
             return F.linear(x, self.dense, self.bias)
@@ -115,11 +136,23 @@ class Linear:
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
         y = y.reshape(*x.shape[:-1], -1)  # (..., out)
-        return y if self.bias is None or self.format == "w8a8" else y + self.bias
+        return y if self.bias is None or self.format in ("w8a8", "w4a8") else y + self.bias
 
     def _w8a8(self, flat: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) float32; every step is per row, so row n's result ignores the others."""
+        """(N, in) -> (N, out) float32; every step is per row, so row n's result ignores the others.
+
+        w4a8 runs one row through its 4-bit kernel: the same integers and float roundings as oneDNN.
+        """
         q, row_scales = quantize_rows(flat)  # (N, in), (N, 1)
+        if q.shape[0] == 1 and self.format == "w4a8":
+            y = w4a8.matmul(q.to(torch.int8), self.packed, self.scales)  # (1, out)
+        else:
+            y = self._onednn_int8(q)  # (N, out)
+        y = y * row_scales
+        return y if self.bias is None else y + self.bias
+
+    def _onednn_int8(self, q: torch.Tensor) -> torch.Tensor:
+        """q (N, in) float holding int8 values -> (N, out) float32: exact integer sums times the weight scales."""
         single = q.shape[0] == 1
         if single:  # oneDNN's one-row kernel is ~2x slower than its two-row one; rows never mix
             q = q.expand(2, -1)  # (2, in)
@@ -130,11 +163,8 @@ class Linear:
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, zero_point, self.weight, self.scales, self._zero_points, None, 1.0, 0, torch.float32,
             "none", [None], "",
-        )  # (N, out): exact integer sums times the weight scales
-        if single:
-            y = y[:1]
-        y = y * row_scales
-        return y if self.bias is None else y + self.bias
+        )  # (N, out)
+        return y[:1] if single else y
 
 
 @dataclass(frozen=True)
@@ -145,7 +175,10 @@ class FormatChoice:
 
     @property
     def label(self) -> str:
-        return f"w8a8-{self.activations}" if self.weight_format == "w8a8" else self.weight_format
+        return f"{self.weight_format}-{self.activations}" if self.weight_format in ("w8a8", "w4a8") else self.weight_format
+
+
+BATCH_INVARIANT_FORMATS = ("w4a8", "w8a8")  # each row's result ignores the other rows of a call
 
 
 def _time_call(function, repeats: int = 7) -> float:
@@ -182,28 +215,31 @@ def measure_formats(
 
 
 def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
-    """Resolve `--quantize` for a target: "auto" measures w8a8 (both activation kinds) against dense.
+    """Resolve `--quantize` for a target: "auto" measures w4a8, w8a8 (both activation kinds) and dense.
 
     auto keeps dense weights for float32/float16 compute (asking for those asks for their exact
-    arithmetic) and wherever w8a8 cannot run or measures slower. The weight-only formats are not
-    candidates: past 4 rows (every verify pass) they are slower than dense.
+    arithmetic) and picks the fastest of the batch-invariant formats that run here otherwise. The
+    weight-only formats are not candidates: past 4 rows (every verify pass) they are slower than dense.
     """
     if requested not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {requested!r} is not one of auto, {', '.join(FORMATS)}")
     if requested in ("none", "int8", "int4"):
         return FormatChoice(requested)
-    if requested == "auto" and (dtype != torch.bfloat16 or not w8a8_available()):
+    if requested == "auto" and dtype != torch.bfloat16:
         return FormatChoice("none")
-    if not w8a8_available():
-        raise ValueError("--quantize w8a8 needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
-    candidates = ("w8a8-s8", "w8a8-u8") + (("none",) if requested == "auto" else ())
+    if requested in ("w8a8", "w4a8") and not w8a8_available():
+        raise ValueError(f"--quantize {requested} needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
+    if requested == "w4a8":
+        w4a8.load_kernel()  # raises KernelUnavailable with the reason and what to use instead
+        seconds = measure_formats(("w4a8-s8", "w4a8-u8"), dtype)  # the activation kind of multi-row passes
+        return FormatChoice("w4a8", min(seconds, key=seconds.get).partition("-")[2], seconds)
+    int8_formats = ("w8a8",) + (("w4a8",) if requested == "auto" and w4a8.unavailable_reason() is None else ())
+    candidates = tuple(f"{f}-{a}" for f in int8_formats for a in W8A8_ACTIVATIONS) if w8a8_available() else ()
+    if requested == "auto":
+        candidates += ("none",)
     seconds = measure_formats(candidates, dtype)
-    runnable = {c: s for c, s in seconds.items() if c.startswith("w8a8")}
-    if not runnable:
-        if requested == "w8a8":
-            raise ValueError("--quantize w8a8: oneDNN's int8 kernels do not run on this CPU; use --quantize none")
-        return FormatChoice("none", seconds=seconds)
+    if requested == "w8a8" and not seconds:
+        raise ValueError("--quantize w8a8: oneDNN's int8 kernels do not run on this CPU; use --quantize none")
     best = min(seconds, key=seconds.get)
-    if best == "none":
-        return FormatChoice("none", seconds=seconds)
-    return FormatChoice("w8a8", best.partition("-")[2], seconds)
+    weight_format, _, activations = best.partition("-")
+    return FormatChoice(weight_format, activations or "s8", seconds)

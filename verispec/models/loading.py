@@ -23,7 +23,8 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
-from verispec.models.linear import FormatChoice, choose_format
+from verispec.models import w4a8
+from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +53,7 @@ class ModelFormat:
         return {
             "format": self.choice.label,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "batch_invariant": self.choice.weight_format == "w8a8",
+            "batch_invariant": self.choice.weight_format in BATCH_INVARIANT_FORMATS,
             "load_seconds": round(self.load_seconds, 2),
             "measured_seconds": {k: round(v, 6) for k, v in (self.choice.seconds or {}).items()},
         }
@@ -308,7 +309,8 @@ def load_model(
     server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
-    choice = choose_format(quantize, torch_dtype)
+    build_kernel(quantize, torch_dtype, progress)
+    choice = resolve_format(quantize, torch_dtype)
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
     config = ModelConfig.from_dir(directory)
@@ -323,6 +325,64 @@ def load_model(
         )
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
+
+
+FORMAT_CHOICES_FILE = "format-choices.json"
+
+
+def remembered_choice(kind: str, measure) -> dict:
+    """What `measure()` (a JSON-able dict) chose for `kind` the first time on this machine.
+
+    `auto` formats are timed once per machine, CPU and torch version and then kept in the cache
+    (delete format-choices.json there to time again): the same command then loads the same model
+    every time, which timing noise between two close formats would not promise, and skips the timing.
+    """
+    from verispec.bench.machine import machine_description
+
+    machine = machine_description()
+    key = f"{kind} | {machine['cpu']} | {machine['cores']} cores | torch {torch.__version__}"
+    path = cache_root() / FORMAT_CHOICES_FILE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
+        scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
+    return table[key]
+
+
+def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
+    """choose_format, with `auto`'s answer for this machine remembered (see remembered_choice)."""
+    if quantize != "auto" or dtype != torch.bfloat16:
+        return choose_format(quantize, dtype)
+
+    def measure() -> dict:
+        choice = choose_format("auto", dtype)
+        return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
+
+    kept = remembered_choice(f"target auto {str(dtype).removeprefix('torch.')}", measure)
+    if kept["format"] == "w4a8" and w4a8.unavailable_reason() is not None:
+        return choose_format("auto", dtype)  # the kernel cannot run any more (no compiler): measure the others
+    return FormatChoice(kept["format"], kept["activations"], kept["seconds"])
+
+
+def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
+    """Build the w4a8 kernel now, with a progress line, when `quantize` may pick it and it is not built yet."""
+    wanted = quantize == "w4a8" or (quantize == "auto" and dtype == torch.bfloat16)
+    if not wanted or w4a8.unavailable_reason() is not None or w4a8.is_built():
+        return
+    with _progress_bar(1, "building the w4a8 kernel (once per machine)", progress, unit="kernel") as bar:
+        try:
+            w4a8.load_kernel()
+        except w4a8.KernelUnavailable:
+            if quantize == "w4a8":
+                raise
+            return  # auto: the other formats remain; choose_format leaves w4a8 out
+        bar.update(1)
 
 
 def resolve_model(spec: str | Path, progress: bool = False) -> tuple[str, Path, tuple[int, ...]]:

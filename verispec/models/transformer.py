@@ -12,14 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models.config import ModelConfig
-from verispec.models.kv_cache import KVCache
-from verispec.models.linear import FORMATS, Linear
+from verispec.models.kv_cache import KVCache, WritePlan
+from verispec.models.linear import BATCH_INVARIANT_FORMATS, FORMATS, Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in float32.
+
+    torch's rms_norm without a weight computes exactly that normalisation (float32 for bfloat16
+    input, one rounding back) in one call; the weight is applied after the rounding, as Qwen2 and
+    Llama do. tests/test_transformer.py checks it bit for bit against the formula.
+    """
+    return weight * torch.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -27,14 +31,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit, with signed_sin = cat(-sin[:D/2], sin[D/2:]).
+
+    rotate_half(x) * sin = swap_halves(x) * signed_sin element by element, because (-a) * b and
+    a * (-b) round to the same number; swapping halves is one roll instead of slices, neg and cat.
+    x: (..., D); cos, signed_sin broadcast to it.
+    """
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)  # (..., D) rotate_half(x) * sin
+    return (x * cos).add_(rotated)  # (..., D)
+
+
 INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs (prompt prefill) take one masked attention call
 
 
-def _visible_slots(cache: KVCache, num_new: int, mask: torch.Tensor | None) -> list[list[int | torch.Tensor]]:
-    """[b][t]: n when new token t of row b sees cache slots 0 .. n-1 (chains), else their indices (trees)."""
-    lengths = cache.lengths.tolist()
+def _visible_slots(plan: WritePlan, mask: torch.Tensor | None) -> list[list[int | torch.Tensor]]:
+    """[b][t]: n when new token t of row b sees cache slots 0 .. n-1 (chains), else their indices (trees).
+
+    mask: (B, 1, T, S) for token trees; None for chains (each new token sees its row's prefix,
+    the new tokens before it and itself).
+    """
     if mask is None:
-        return [[length + t + 1 for t in range(num_new)] for length in lengths]
+        return [[length + t + 1 for t in range(plan.num_new)] for length in plan.lengths]
     rows = []
     for b, visible in enumerate(mask[:, 0]):  # (T, S) each
         counts = visible.sum(-1).tolist()
@@ -54,17 +72,26 @@ def _attention_per_row(
     batched or masked call would reorder the sums with the number of rows. Costs one call per row,
     small next to the matmuls for the few rows of a verify pass.
     """
-    out = torch.empty_like(q)  # (B, H, T, D)
+    if len(row_keys) == 1 and len(row_keys[0]) == 1 and _sees_all(row_keys[0][0], keys):
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)  # (1, H, 1, D) plain decoding
+    rows = []
     for b, per_token in enumerate(row_keys):
+        row_q, row_k, row_v = q.narrow(0, b, 1), keys.narrow(0, b, 1), values.narrow(0, b, 1)  # (1, ., ., D)
+        tokens = []
         for t, seen in enumerate(per_token):
             if isinstance(seen, int):
-                k, v = keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen]  # (1, Hkv, n, D)
+                k, v = row_k.narrow(2, 0, seen), row_v.narrow(2, 0, seen)  # (1, Hkv, n, D)
             else:
-                k, v = keys[b : b + 1, :, seen], values[b : b + 1, :, seen]  # (1, Hkv, n, D)
-            out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(
-                q[b : b + 1, :, t : t + 1], k, v, enable_gqa=True
-            )
-    return out
+                k, v = row_k[:, :, seen], row_v[:, :, seen]  # (1, Hkv, n, D)
+            query = row_q.narrow(2, t, 1)  # (1, H, 1, D)
+            tokens.append(F.scaled_dot_product_attention(query, k, v, enable_gqa=True))  # (1, H, 1, D)
+        rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
+    return torch.cat(rows)  # (B, H, T, D)
+
+
+def _sees_all(seen: int | torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether a query that sees `seen` (a slot count or slot indices) sees every slot of keys (B, Hkv, S, D)."""
+    return isinstance(seen, int) and seen == keys.shape[2]
 
 
 class Layer:
@@ -139,7 +166,8 @@ class Transformer:
         self.output_token_ids: torch.Tensor | None = None  # (V',) when the head covers a subset
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).double() / config.head_dim))
         self._inv_freq = inv_freq  # (D/2,)
-        self._rope_cache = torch.empty(0)
+        self._rope_cos = torch.empty(0)  # (L, D) cos of each position's angles, in the compute dtype
+        self._rope_signed_sin = torch.empty(0)  # (L, D) sin, first half negated (see apply_rotary)
         self._rope_len = 0
 
     @property
@@ -149,7 +177,7 @@ class Transformer:
     @property
     def batch_invariant(self) -> bool:
         """Each row of a forward gets the same logits as that row alone would (w8a8: see forward)."""
-        return self.weight_format == "w8a8" and self.invariant_attention
+        return self.weight_format in BATCH_INVARIANT_FORMATS and self.invariant_attention
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         c = self.config
@@ -186,25 +214,46 @@ class Transformer:
     def _linears(self) -> list[Linear]:
         return [m for layer in self.layers for m in layer.linears] + [self.lm_head]
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1
-        if needed > self._rope_len:
-            length = max(needed, 2 * self._rope_len, 1024)
-            freqs = torch.outer(torch.arange(length).double(), self._inv_freq)  # (L, D/2)
-            angles = torch.cat([freqs, freqs], dim=-1)  # (L, D)
-            self._rope_cache = torch.stack([angles.cos(), angles.sin()]).to(self.dtype)  # (2, L, D)
-            self._rope_len = length
-        cos_sin = self._rope_cache[:, positions]  # (2, B, T, D)
-        return cos_sin[0][:, None], cos_sin[1][:, None]  # (B, 1, T, D) each
+    def _rope(self, plan: WritePlan, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see apply_rotary) for each new token, (B or 1, T, 1, D) each.
 
-    def _attention_mask(self, cache: KVCache, num_new: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+        positions: (B, T), or None for the default lengths + arange(T): then rows of one length
+        take a slice of the tables instead of a gather.
+        """
+        if positions is None and plan.uniform:
+            self._grow_rope(plan.start + plan.num_new)
+            cos = self._rope_cos.narrow(0, plan.start, plan.num_new)  # (T, D)
+            sin = self._rope_signed_sin.narrow(0, plan.start, plan.num_new)  # (T, D)
+            return cos[None, :, None], sin[None, :, None]  # (1, T, 1, D) each
+        if positions is None:
+            positions = plan.slots  # (B, T): lengths + arange(T)
+            self._grow_rope(plan.end)
+        else:
+            self._grow_rope(int(positions.max()) + 1)
+        return self._rope_cos[positions][:, :, None], self._rope_signed_sin[positions][:, :, None]  # (B, T, 1, D)
+
+    def _grow_rope(self, needed: int) -> None:
+        """Make the rotary tables cover positions 0 .. needed - 1."""
+        if needed <= self._rope_len:
+            return
+        length = max(needed, 2 * self._rope_len, 1024)
+        freqs = torch.outer(torch.arange(length).double(), self._inv_freq)  # (L, D/2)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (L, D)
+        sin = angles.sin().to(self.dtype)  # (L, D)
+        half = sin.shape[-1] // 2
+        self._rope_cos = angles.cos().to(self.dtype)  # (L, D)
+        self._rope_signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (L, D)
+        self._rope_len = length
+
+    def _attention_mask(
+        self, cache: KVCache, plan: WritePlan, tree_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Boolean (B, 1, T, S) mask, True = may attend; None when plain causal needs no mask."""
-        lengths = cache.lengths  # (B,)
-        uniform = bool((lengths == lengths[0]).all())
-        if tree_mask is None and num_new == 1 and uniform:
+        num_new = plan.num_new
+        if tree_mask is None and num_new == 1 and plan.uniform:
             return None
-        total = int(lengths.max()) + num_new
-        slots = torch.arange(total)  # (S,)
+        lengths = cache.lengths  # (B,)
+        slots = torch.arange(plan.end)  # (S,)
         new_index = slots[None, :] - lengths[:, None]  # (B, S): index among the new tokens, < 0 = prefix
         query = torch.arange(num_new)  # (T,)
         if tree_mask is None:
@@ -235,25 +284,28 @@ class Transformer:
         """
         c = self.config
         batch, num_new = input_ids.shape
-        if positions is None:
-            positions = cache.lengths[:, None] + torch.arange(num_new)  # (B, T)
-        cos, sin = self._rope(positions)  # (B, 1, T, D)
-        mask = self._attention_mask(cache, num_new, tree_mask)  # (B, 1, T, S) or None
-        row_keys = None  # batch-invariant attention: for each (b, t), the cache slots it sees
-        if self.batch_invariant and num_new <= INVARIANT_ATTENTION_MAX_ROWS:
-            row_keys = _visible_slots(cache, num_new, mask)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        plan = cache.plan_write(num_new)  # where the new keys go, shared by every layer
+        cos, sin = self._rope(plan, positions)  # (B or 1, T, 1, D) each
+        invariant = self.batch_invariant and num_new <= INVARIANT_ATTENTION_MAX_ROWS
+        mask = None  # (B, 1, T, S): batched attention, and the visible slots of a tree
+        if tree_mask is not None or not invariant:
+            mask = self._attention_mask(cache, plan, tree_mask)
+        row_keys = _visible_slots(plan, mask) if invariant else None  # for each (b, t), the slots it sees
+        heads, kv_heads = c.num_heads, c.num_kv_heads
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
+        qk_size = q_size + kv_size
 
         x = self.embed[input_ids]  # (B, T, C)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)  # (B, T, H*D), (B, T, Hkv*D) x2
-            q = q.view(batch, num_new, c.num_heads, c.head_dim).transpose(1, 2)  # (B, H, T, D)
-            k = k.view(batch, num_new, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-            v = v.view(batch, num_new, c.num_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            keys, values = cache.write(index, k, v)  # (B, Hkv, S, D)
+            qkv = layer.qkv(h)  # (B, T, (H + 2 Hkv) D)
+            qk = qkv.narrow(-1, 0, qk_size).view(batch, num_new, heads + kv_heads, c.head_dim)  # (B, T, H + Hkv, D)
+            qk = apply_rotary(qk, cos, sin)  # q and k take their rotary embedding in one go
+            q = qk.narrow(2, 0, heads).transpose(1, 2)  # (B, H, T, D)
+            k = qk.narrow(2, heads, kv_heads).transpose(1, 2)  # (B, Hkv, T, D)
+            v = qkv.narrow(-1, qk_size, kv_size).view(batch, num_new, kv_heads, c.head_dim)  # (B, T, Hkv, D)
+            v = v.transpose(1, 2)  # (B, Hkv, T, D)
+            keys, values = cache.write(index, k, v, plan)  # (B, Hkv, S, D)
             if row_keys is not None:
                 attn = _attention_per_row(q, keys, values, row_keys)  # (B, H, T, D)
             else:
@@ -261,7 +313,7 @@ class Transformer:
             x = x + layer.out(attn.transpose(1, 2).reshape(batch, num_new, q_size))
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # (B, T, I) each
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(F.silu(gate).mul_(up))
 
         if last_only:
             x = x[:, -1:]

@@ -1,0 +1,135 @@
+"""The w4a8 format: int8 weights that are 4-bit codes times small integers, read as 4 bits when one row runs.
+
+Every weight is an int8 value w[n, k] = m[n, g] * q[n, k] with q in -8..7 and an integer
+multiplier m in 1..16 per group g of 32 inputs, times a float scale per output row (the int8
+weights of w8a8, restricted to values a 4-bit code can name). Activations are int8 with one scale
+per row, as in w8a8. A pass of several rows (prefill, a verify pass) runs oneDNN's int8 matmul
+on the int8 weights, whose cost hardly grows up to 16 rows; a one-row pass (plain decoding, a
+draft step) runs verispec's kernel over the 4-bit codes and multipliers, half the bytes. Both
+compute the same exact integer sums and then the same two float roundings, so a row gets the
+same bits whichever path and whatever other rows run with it (batch-invariant).
+
+No library on PyPI ships an int4 x int8 CPU kernel for torch (torch's own int4 kernel takes
+bfloat16 activations; onnxruntime's grows with the row count and has no int8 twin to agree with),
+so verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
+first time it is needed: seconds to a minute, once per machine and torch version, kept under the
+verispec cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import shutil
+from pathlib import Path
+
+import torch
+
+GROUP_SIZE = 32  # inputs per scale and zero
+COLUMNS = 16  # output columns per packed block
+SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+
+
+class KernelUnavailable(RuntimeError):
+    """w4a8 cannot run here; the message says why and what to use instead."""
+
+
+def missing_cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return [flag for flag in CPU_FLAGS if flag not in flags]
+
+
+_build_failure: KernelUnavailable | None = None  # set once a build failed: not tried again in this process
+
+
+def unavailable_reason() -> str | None:
+    """Why w4a8 cannot run on this machine, or None when it can (the kernel may still need building)."""
+    if _build_failure is not None:
+        return str(_build_failure)
+    missing = missing_cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler found (apt install g++)"
+    return None
+
+
+def _build_directory() -> Path:
+    from verispec.models.loading import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    path = cache_root() / "kernels" / f"w4a8-{digest}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def is_built() -> bool:
+    return any(_build_directory().glob("*.so"))
+
+
+def load_kernel() -> None:
+    """Build (first time) and load the kernel, registering torch.ops.verispec.w4a8_linear."""
+    global _build_failure
+    if hasattr(torch.ops.verispec, "w4a8_linear"):
+        return
+    if _build_failure is not None:
+        raise _build_failure
+    try:
+        _build_and_load()
+    except KernelUnavailable as error:
+        _build_failure = error
+        raise
+
+
+def _build_and_load() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(f"--quantize w4a8 cannot run: {reason}; use --quantize w8a8 or none")
+    from torch.utils import cpp_extension
+
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            cpp_extension.load(
+                name="verispec_w4a8", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                build_directory=str(_build_directory()), is_python_module=False, verbose=False,
+            )
+    except (RuntimeError, OSError, ImportError) as error:
+        raise KernelUnavailable(
+            f"building the w4a8 kernel failed ({error}); use --quantize w8a8 or none. Compiler output:\n"
+            + output.getvalue()[-2000:]
+        ) from error
+
+
+MULTIPLIER_MAX = 16  # m * q stays in int8: -8 * 16 = -128, 7 * 16 = 112
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight (N, K) ~= scale[n] * int8[n, k], int8 = m * q (see the module docstring), in the kernel's C++.
+
+    Returns int8 (N, K), the weights oneDNN runs; scale (N,) float32; packed (N/16, K/32, 272)
+    uint8, the same weights as 4-bit codes and per-group multipliers, what the one-row kernel reads.
+    Each group keeps the multiplier around its ideal step with the least squared error.
+    """
+    load_kernel()
+    return torch.ops.verispec.w4a8_quantize(weight)
+
+
+def supports_shape(out_features: int, in_features: int) -> bool:
+    return out_features % COLUMNS == 0 and in_features % GROUP_SIZE == 0
+
+
+def matmul(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """xq (M, K) int8 -> (M, N) float32: float(exact integer sums) * scale, as oneDNN's int8 matmul gives."""
+    return torch.ops.verispec.w4a8_matmul(xq, packed, scale)
