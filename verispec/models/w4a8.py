@@ -29,8 +29,8 @@ import torch
 GROUP_SIZE = 32  # inputs per scale and zero
 COLUMNS = 16  # output columns per packed block
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # -fopenmp: at::parallel_for runs on torch's threads
 
 
 class KernelUnavailable(RuntimeError):
@@ -68,7 +68,7 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + [torch.__version__]).encode()).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -103,7 +103,8 @@ def _build_and_load() -> None:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             cpp_extension.load(
                 name="verispec_w4a8", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                build_directory=str(_build_directory()), is_python_module=False, verbose=False,
+                extra_ldflags=["-fopenmp"], build_directory=str(_build_directory()), is_python_module=False,
+                verbose=False,
             )
     except (RuntimeError, OSError, ImportError) as error:
         raise KernelUnavailable(

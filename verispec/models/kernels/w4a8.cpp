@@ -33,6 +33,7 @@ constexpr int64_t kCols = 16;
 constexpr int64_t kNibbleBytes = 256;
 constexpr int64_t kBlockBytes = kNibbleBytes + kCols;
 constexpr int kRowsPerPass = 4;
+constexpr int64_t kPrefetchBytes = 8 * kBlockBytes;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -50,6 +51,9 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = packed + g * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64) {  // a few blocks ahead: the stream is memory-bound
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
+    }
     __m512i w[8];
     for (int j = 0; j < 4; ++j) {
       const __m512i p = _mm512_loadu_si512(block + 64 * j);
