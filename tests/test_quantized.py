@@ -135,15 +135,29 @@ def test_auto_format_keeps_exact_dtypes_dense_and_measures_bfloat16():
 
 
 def test_a_kernel_this_cpu_lacks_is_left_out_and_auto_falls_back_to_dense(monkeypatch):
-    def no_kernel(self, flat):
+    def no_kernel(self, q):
         raise RuntimeError("onednn: unimplemented")  # what a CPU without the int8 kernels answers
 
-    monkeypatch.setattr(Linear, "_w8a8", no_kernel)
+    monkeypatch.setattr(Linear, "_onednn_int8", no_kernel)  # w8a8, and w4a8's multi-row passes
     seconds = measure_formats(("none", "w8a8-s8"), torch.bfloat16, 64, 32, rows=(1,))
     assert list(seconds) == ["none"] and seconds["none"] > 0
     assert choose_format("auto", torch.bfloat16).weight_format == "none"
     with pytest.raises(ValueError, match="do not run on this CPU"):
         choose_format("w8a8", torch.bfloat16)
+
+
+def test_w4a8_that_cannot_run_here_is_left_out_of_auto_and_named_when_asked(monkeypatch):
+    reason = "this CPU lacks avx512_vnni"
+
+    def refuse():
+        raise w4a8.KernelUnavailable(f"--quantize w4a8 cannot run: {reason}; use --quantize w8a8 or none")
+
+    monkeypatch.setattr(w4a8, "unavailable_reason", lambda: reason)
+    monkeypatch.setattr(w4a8, "load_kernel", refuse)
+    choice = choose_format("auto", torch.bfloat16)
+    assert choice.weight_format in ("w8a8", "none") and not any(c.startswith("w4a8") for c in choice.seconds)
+    with pytest.raises(w4a8.KernelUnavailable, match="lacks avx512_vnni; use --quantize w8a8"):
+        choose_format("w4a8", torch.bfloat16)
 
 
 def test_restricting_the_vocabulary_after_quantizing_is_refused(tiny_dir):

@@ -127,7 +127,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, in)
-        if self.format in ("w8a8", "w4a8"):
+        if self.format == "w4a8":
+            return self._w4a8(flat).reshape(*x.shape[:-1], -1)  # (..., out)
+        if self.format == "w8a8":
             y = self._w8a8(flat).to(x.dtype)
         elif self.format == "none" or flat.shape[0] > QUANTIZED_MAX_ROWS:
             return F.linear(x, self.dense, self.bias)
@@ -136,30 +138,29 @@ class Linear:
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
         y = y.reshape(*x.shape[:-1], -1)  # (..., out)
-        return y if self.bias is None or self.format in ("w8a8", "w4a8") else y + self.bias
+        return y if self.bias is None or self.format == "w8a8" else y + self.bias
 
     def _w8a8(self, flat: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) float32; every step is per row, so row n's result ignores the others.
-
-        w4a8 runs one row through its 4-bit kernel: the same integers and float roundings as oneDNN.
-        """
+        """(N, in) -> (N, out) float32; every step is per row, so row n's result ignores the others."""
         q, row_scales = quantize_rows(flat)  # (N, in), (N, 1)
-        if q.shape[0] == 1 and self.format == "w4a8":
-            y = w4a8.matmul(q.to(torch.int8), self.packed, self.scales)  # (1, out)
-        else:
-            y = self._onednn_int8(q)  # (N, out)
-        y = y * row_scales
+        q = q.to(torch.int8) if self.activations == "s8" else (q + 128).to(torch.uint8)
+        y = self._onednn_int8(q) * row_scales
         return y if self.bias is None else y + self.bias
 
+    def _w4a8(self, flat: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) in flat's dtype. One row runs the 4-bit kernel, several rows oneDNN on the
+        int8 weights; both quantize activations and finish (row scales, bias, dtype) in the same C++."""
+        if flat.shape[0] == 1:
+            return torch.ops.verispec.w4a8_linear_row(flat, self.packed, self.scales, self.bias)
+        q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
+        return torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
+
     def _onednn_int8(self, q: torch.Tensor) -> torch.Tensor:
-        """q (N, in) float holding int8 values -> (N, out) float32: exact integer sums times the weight scales."""
+        """q (N, in) int8, or uint8 holding int8 + 128 -> (N, out) float32: exact integer sums times the weight scales."""
         single = q.shape[0] == 1
         if single:  # oneDNN's one-row kernel is ~2x slower than its two-row one; rows never mix
             q = q.expand(2, -1)  # (2, in)
-        if self.activations == "s8":
-            q, zero_point = q.to(torch.int8), 0
-        else:
-            q, zero_point = (q + 128).to(torch.uint8), 128
+        zero_point = 128 if q.dtype == torch.uint8 else 0
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, zero_point, self.weight, self.scales, self._zero_points, None, 1.0, 0, torch.float32,
             "none", [None], "",

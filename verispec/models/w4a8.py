@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import shutil
 from pathlib import Path
 
@@ -30,7 +31,7 @@ GROUP_SIZE = 32  # inputs per scale and zero
 COLUMNS = 16  # output columns per packed block
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # -fopenmp: at::parallel_for runs on torch's threads
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # -fopenmp: at::parallel_for runs on torch's threads
 
 
 class KernelUnavailable(RuntimeError):
@@ -92,12 +93,24 @@ def load_kernel() -> None:
         raise
 
 
+def _put_ninja_on_path() -> None:
+    """torch builds extensions with ninja; the `ninja` wheel (a dependency) has it when the system does not."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # cpp_extension then says ninja is missing, and w4a8 is left out
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build_and_load() -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(f"--quantize w4a8 cannot run: {reason}; use --quantize w8a8 or none")
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     output = io.StringIO()
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):

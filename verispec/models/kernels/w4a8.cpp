@@ -123,6 +123,51 @@ at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at:
   return y;
 }
 
+// Per row: int8 values (or uint8 values + 128) and one float scale, amax / 127. Every w4a8 pass,
+// one row or many, quantizes its activations here, so a row gets the same integers either way.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, bool unsigned_values) {
+  TORCH_CHECK(x.dim() == 2, "w4a8: activations must be (M, K)");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t rows = xf.size(0), k = xf.size(1);
+  at::Tensor q = at::empty({rows, k}, xf.options().dtype(unsigned_values ? at::kByte : at::kChar));
+  at::Tensor row_scale = at::empty({rows, 1}, xf.options());
+  const float* x_ptr = xf.data_ptr<float>();
+  float* scale_ptr = row_scale.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x_ptr + r * k;
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xr[i]));
+    const float scale = std::max(amax, 1e-12f) / 127.f;
+    scale_ptr[r] = scale;
+    if (unsigned_values) {
+      uint8_t* qr = q.data_ptr<uint8_t>() + r * k;
+      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<uint8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[i] / scale))) + 128.f);
+    } else {
+      int8_t* qr = q.data_ptr<int8_t>() + r * k;
+      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[i] / scale))));
+    }
+  }
+  return {q, row_scale};
+}
+
+// y (M, N) float32 exact sums times weight scales -> (y * row_scale + bias) in `dtype`.
+at::Tensor finish(const at::Tensor& y, const at::Tensor& row_scale, const c10::optional<at::Tensor>& bias,
+                  at::ScalarType dtype) {
+  at::Tensor out = y.mul(row_scale);
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out.to(dtype);
+}
+
+// One w4a8 linear: x (M, K) -> (M, N) in x's dtype. One row runs the 4-bit kernel; several rows
+// return their quantized activations for oneDNN (see verispec.models.linear), through the same
+// quantize_rows and finish.
+at::Tensor w4a8_linear_row(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "w4a8_linear_row: x must be (1, K)");
+  auto [q, row_scale] = quantize_rows(x, false);
+  return finish(w4a8_matmul(q, packed, weight_scale), row_scale, bias, x.scalar_type());
+}
+
 constexpr float kRowLevels = 120.f;  // a row's largest |w| is 120 int8 steps: its group gets m = 16 at q = +-7.5
 constexpr int kMultiplierMax = 16;    // m * q stays in int8: -8 * 16 = -128, 7 * 16 = 112
 
@@ -199,9 +244,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& w
 TORCH_LIBRARY(verispec, m) {
   m.def("w4a8_matmul(Tensor xq, Tensor packed, Tensor weight_scale) -> Tensor");
   m.def("w4a8_quantize(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("w4a8_quantize_rows(Tensor x, bool unsigned_values) -> (Tensor, Tensor)");
+  m.def("w4a8_finish(Tensor y, Tensor row_scale, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("w4a8_linear_row(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(verispec, CPU, m) {
   m.impl("w4a8_matmul", &w4a8_matmul);
   m.impl("w4a8_quantize", &w4a8_quantize);
+  m.impl("w4a8_quantize_rows", &quantize_rows);
+  m.impl("w4a8_finish", &finish);
+  m.impl("w4a8_linear_row", &w4a8_linear_row);
 }
