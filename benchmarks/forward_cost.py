@@ -1,6 +1,6 @@
 """What one target forward costs at 1, 2, 4, 8 and 16 new tokens, per weight format, side by side.
 
-    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8 --out benchmarks/forward-cost
+    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out benchmarks/forward-cost
 
 Formats are loaded into one process and timed in interleaved rounds (one forward per format and
 row count per round) after a 512-token prompt, so machine noise hits them alike; medians are
@@ -27,7 +27,7 @@ ROWS = (1, 2, 4, 8, 16)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--formats", default="none,w8a8")
+    parser.add_argument("--formats", default="none,w8a8,w4a8")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     parser.add_argument("--threads", type=int, default=2)
@@ -65,9 +65,10 @@ def main() -> None:
         ms = [1000 * median[(name, n)] for n in ROWS]
         label = loaded.format.label
         lines.append(f"| {label} | " + " | ".join(f"{m:.1f} ms" for m in ms) + f" | {ms[3] / ms[0]:.2f}x |")
-    dense, fast = list(models)[0], list(models)[-1]
-    lines += ["", "Fast over dense, same row count: " + ", ".join(
-        f"{n}: {median[(dense, n)] / median[(fast, n)]:.2f}x" for n in ROWS)]
+    dense = list(models)[0]
+    for fast in list(models)[1:]:
+        lines += ["", f"{models[fast].format.label} over {models[dense].format.label}, same row count: " + ", ".join(
+            f"{n}: {median[(dense, n)] / median[(fast, n)]:.2f}x" for n in ROWS)]
     lines += ["", "Load (read cache + quantize): " + ", ".join(
         f"{m.format.label} {m.format.load_seconds:.1f} s" for m in models.values())]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,7 @@ peers() {  # against what a user would run instead, served on this machine in on
 
 fast() {  # the w8a8 target (serve's default --quantize auto here) against llama.cpp, in one run per workload.
     # Needs llama.cpp from `make peers`. First what one target forward costs, dense and w8a8, at 1-16 tokens.
-    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8 --out benchmarks/fast/forward-cost
+    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out benchmarks/fast/forward-cost
     local P=benchmarks/peers
     local S="--threads 2 --max-batch-size 16 --max-context 2048"
     for workload in humaneval code-edit; do
@@ -107,6 +107,32 @@ fast() {  # the w8a8 target (serve's default --quantize auto here) against llama
     read -r _ target_gguf _ < <($V models --paths qwen2.5-coder-1.5b-instruct)
     if [ -x $P/.llama.cpp/bin/llama-bench ]; then  # llama.cpp's own plain figures, same session
         $P/.llama.cpp/bin/llama-bench -m "$target_gguf" -t 2 -p 512 -n 128 -r 3 -o md > benchmarks/fast/llama-bench.md
+    fi
+}
+
+fast_w4a8() {  # the opt-in w4a8 target next to the default (w8a8) and llama.cpp, at 1 and 4 clients.
+    # Needs llama.cpp from `make peers`. CONCURRENCY / REQUESTS override the levels (default 1,4 / 4,8).
+    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out benchmarks/fast-w4a8/forward-cost
+    local P=benchmarks/peers
+    local S="--threads 2 --max-batch-size 16 --max-context 2048"
+    local L="--limit 16 --concurrency ${CONCURRENCY:-1,4} --requests ${REQUESTS:-4,8} --max-tokens 128"
+    $V bench-serve \
+        --server verispec-plain=http://127.0.0.1:8301/v1 --start "verispec-plain=$V serve --drafter none --port 8301 $S" \
+        --server verispec-plain-w4a8=http://127.0.0.1:8306/v1 --start "verispec-plain-w4a8=$V serve --drafter none --quantize w4a8 --port 8306 $S" \
+        --server verispec-draft=http://127.0.0.1:8302/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8302 $S" \
+        --server verispec-draft-w4a8=http://127.0.0.1:8307/v1 --start "verispec-draft-w4a8=$V serve --drafter draft-model --quantize w4a8 --port 8307 $S" \
+        --server llama.cpp-plain=http://127.0.0.1:8304/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8304" \
+        --server llama.cpp-draft=http://127.0.0.1:8305/v1 --start "llama.cpp-draft=SLOTS=16 $P/serve_llama_cpp.sh draft 8305 4" \
+        --workload humaneval $L --out benchmarks/fast-w4a8/humaneval || true
+    $V bench-serve \
+        --server verispec-suffix=http://127.0.0.1:8303/v1 --start "verispec-suffix=$V serve --drafter suffix-index --port 8303 $S" \
+        --server verispec-suffix-w4a8=http://127.0.0.1:8308/v1 --start "verispec-suffix-w4a8=$V serve --drafter suffix-index --quantize w4a8 --port 8308 $S" \
+        --server llama.cpp-plain=http://127.0.0.1:8304/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8304" \
+        --workload code-edit $L --out benchmarks/fast-w4a8/code-edit || true
+    local target_gguf
+    read -r _ target_gguf _ < <($V models --paths qwen2.5-coder-1.5b-instruct)
+    if [ -x $P/.llama.cpp/bin/llama-bench ]; then  # llama.cpp's own plain figures, same session
+        $P/.llama.cpp/bin/llama-bench -m "$target_gguf" -t 2 -p 512 -n 128 -r 3 -o md > benchmarks/fast-w4a8/llama-bench.md
     fi
 }
 

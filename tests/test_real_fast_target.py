@@ -1,4 +1,4 @@
-"""The default fast target (w8a8 on CPUs where it wins) on the packaged models: bit-exact greedy.
+"""The default fast target (w4a8 or w8a8, whichever `auto` picks on this CPU) on the packaged models: bit-exact greedy.
 
 Default settings, 20 HumanEval and 5 chat prompts, 128 new tokens each: speculative decoding
 (draft model, k chosen by the controller) equals plain decoding token for token, and the serving

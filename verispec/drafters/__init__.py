@@ -14,7 +14,7 @@ from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models import w4a8
 from verispec.models.linear import FORMATS, measure_formats, w8a8_available
-from verispec.models.loading import LoadedModel, load_model, remembered_choice
+from verispec.models.loading import LoadedModel, build_kernel, load_model, remembered_choice
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
@@ -48,7 +48,7 @@ def load_draft_model(
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     draft = load_model(spec, dtype, progress)
     check_same_vocabulary(target, draft)
-    _quantize(draft, quantize)
+    _quantize(draft, quantize, progress)
     return DraftModelDrafter(draft.model, target.model.vocab_size)
 
 
@@ -86,9 +86,9 @@ def make_drafter(
     model = load_model(draft, dtype, progress)
     same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     if kind == "cross-tokenizer":
-        _quantize(model, quantize)
+        _quantize(model, quantize, progress)
         return CrossTokenizerDrafter(model, target)
-    _quantize(model, quantize)
+    _quantize(model, quantize, progress)
     if same_vocabulary:
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
@@ -96,9 +96,10 @@ def make_drafter(
     return CompositeDrafter([SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH), fallback])
 
 
-def _quantize(draft: LoadedModel, quantize: str) -> None:
+def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None:
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    build_kernel(quantize, draft.model.dtype, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
     activations = "s8"
     if quantize == "w8a8" or (quantize == "auto" and draft.model.dtype == torch.bfloat16):
         candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()

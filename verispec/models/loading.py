@@ -24,7 +24,7 @@ import torch
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
 from verispec.models import w4a8
-from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
+from verispec.models.linear import AUTO_CANDIDATES, BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -309,7 +309,8 @@ def load_model(
     server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
-    build_kernel(quantize, torch_dtype, progress)
+    if quantize == "w4a8":
+        build_kernel(quantize, torch_dtype, progress)
     choice = resolve_format(quantize, torch_dtype)
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
@@ -364,14 +365,16 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
         choice = choose_format("auto", dtype)
         return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
 
-    kept = remembered_choice(f"target auto {str(dtype).removeprefix('torch.')}", measure)
-    if kept["format"] == "w4a8" and w4a8.unavailable_reason() is not None:
-        return choose_format("auto", dtype)  # the kernel cannot run any more (no compiler): measure the others
+    kind = f"target auto {str(dtype).removeprefix('torch.')} among {','.join(AUTO_CANDIDATES)}"
+    kept = remembered_choice(kind, measure)
     return FormatChoice(kept["format"], kept["activations"], kept["seconds"])
 
 
 def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
-    """Build the w4a8 kernel now, with a progress line, when `quantize` may pick it and it is not built yet."""
+    """Build the w4a8 kernel now, with a progress line, when `quantize` may pick it and it is not built yet.
+
+    A target's `auto` does not pick w4a8 (see choose_format); a draft's does.
+    """
     wanted = quantize == "w4a8" or (quantize == "auto" and dtype == torch.bfloat16)
     if not wanted or w4a8.unavailable_reason() is not None or w4a8.is_built():
         return
