@@ -92,7 +92,7 @@ class Linear:
             self._quantize_w8a8(activations)  # the 4-bit kernel's blocks do not tile it; int8 is as exact
             return
         w4a8.load_kernel()
-        int8, scales, self.packed = w4a8.quantize(self.weight)  # packed: what one-row passes read
+        int8, scales, self.packed = w4a8.quantize(self.weight)  # packed: what passes of few rows read
         self._use_int8(int8, scales, activations)
         self.format = "w4a8"
 
@@ -148,10 +148,11 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
     def _w4a8(self, flat: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) in flat's dtype. One row runs the 4-bit kernel, several rows oneDNN on the
-        int8 weights; both quantize activations and finish (row scales, bias, dtype) in the same C++."""
-        if flat.shape[0] == 1:
-            return torch.ops.verispec.w4a8_linear_row(flat, self.packed, self.scales, self.bias)
+        """(N, in) -> (N, out) in flat's dtype. Up to w4a8.KERNEL_MAX_ROWS rows run the 4-bit kernel, more
+        run oneDNN on the int8 weights; both quantize activations and finish (row scales, bias, dtype)
+        in the same C++, so a row gets the same bits either way."""
+        if flat.shape[0] <= w4a8.KERNEL_MAX_ROWS:
+            return torch.ops.verispec.w4a8_linear(flat, self.packed, self.scales, self.bias)
         q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
         return torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
 

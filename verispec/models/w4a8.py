@@ -1,13 +1,13 @@
-"""The w4a8 format: int8 weights that are 4-bit codes times small integers, read as 4 bits when one row runs.
+"""The w4a8 format: int8 weights that are 4-bit codes times small integers, read as 4 bits by short passes.
 
 Every weight is an int8 value w[n, k] = m[n, g] * q[n, k] with q in -8..7 and an integer
 multiplier m in 1..16 per group g of 32 inputs, times a float scale per output row (the int8
 weights of w8a8, restricted to values a 4-bit code can name). Activations are int8 with one scale
-per row, as in w8a8. A pass of several rows (prefill, a verify pass) runs oneDNN's int8 matmul
-on the int8 weights, whose cost hardly grows up to 16 rows; a one-row pass (plain decoding, a
-draft step) runs verispec's kernel over the 4-bit codes and multipliers, half the bytes. Both
-compute the same exact integer sums and then the same two float roundings, so a row gets the
-same bits whichever path and whatever other rows run with it (batch-invariant).
+per row, as in w8a8. Passes of up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft
+step) run verispec's kernel over the 4-bit codes and multipliers, half the bytes of int8; longer
+passes (prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact
+integer sums and then the same float roundings, so a row gets the same bits whichever path and
+whatever other rows run with it (batch-invariant).
 
 No library on PyPI ships an int4 x int8 CPU kernel for torch (torch's own int4 kernel takes
 bfloat16 activations; onnxruntime's grows with the row count and has no int8 twin to agree with),
@@ -29,6 +29,10 @@ import torch
 
 GROUP_SIZE = 32  # inputs per scale and zero
 COLUMNS = 16  # output columns per packed block
+# Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
+# whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
+# 2 threads: benchmarks/fast-w4a8/).
+KERNEL_MAX_ROWS = 8
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # -fopenmp: at::parallel_for runs on torch's threads

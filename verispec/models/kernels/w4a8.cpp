@@ -1,4 +1,4 @@
-// w4a8 one-row linear: 4-bit weights times int8 activations, integer dot products (AVX-512 VNNI).
+// w4a8 linear for short passes: 4-bit weights times int8 activations, integer dot products (AVX-512 VNNI).
 //
 // Weights are int8 values w[n, k] = m[n, g] * q[n, k] with q in -8..7 (stored as q + 8 in a nibble)
 // and an integer multiplier m in 1..16 per group g of 32 inputs, times a float scale s[n] per
@@ -6,7 +6,7 @@
 //   y[r, n] = (float(A[r, n]) * s[n]) * sx[r]        A = sum_g m[n, g] * sum_{k in g} xq[r, k] * q[n, k]
 // where A is an exact int32: the very integer that oneDNN's int8 matmul computes from the same
 // int8 weights, followed by the same two float roundings. This kernel reads half the bytes of
-// the int8 weights, for one-row passes; multi-row passes go to oneDNN with the int8 weights, and
+// the int8 weights, for passes of a few rows; longer passes go to oneDNN with the int8 weights, and
 // every row gets the same bits either way (verispec's batch invariance).
 //
 // Packed layout, (N / 16, K / 32, 272) bytes: for each block of 16 output columns and each group
@@ -158,12 +158,11 @@ at::Tensor finish(const at::Tensor& y, const at::Tensor& row_scale, const c10::o
   return out.to(dtype);
 }
 
-// One w4a8 linear: x (M, K) -> (M, N) in x's dtype. One row runs the 4-bit kernel; several rows
-// return their quantized activations for oneDNN (see verispec.models.linear), through the same
-// quantize_rows and finish.
-at::Tensor w4a8_linear_row(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
-                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "w4a8_linear_row: x must be (1, K)");
+// One w4a8 linear over the 4-bit codes: x (M, K) -> (M, N) in x's dtype. Passes with more rows
+// than this kernel wins on go to oneDNN (see verispec.models.linear) through the same quantize_rows
+// and finish, so a row gets the same bits either way.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
+                       const c10::optional<at::Tensor>& bias) {
   auto [q, row_scale] = quantize_rows(x, false);
   return finish(w4a8_matmul(q, packed, weight_scale), row_scale, bias, x.scalar_type());
 }
@@ -246,7 +245,7 @@ TORCH_LIBRARY(verispec, m) {
   m.def("w4a8_quantize(Tensor weight) -> (Tensor, Tensor, Tensor)");
   m.def("w4a8_quantize_rows(Tensor x, bool unsigned_values) -> (Tensor, Tensor)");
   m.def("w4a8_finish(Tensor y, Tensor row_scale, Tensor? bias, ScalarType dtype) -> Tensor");
-  m.def("w4a8_linear_row(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias) -> Tensor");
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(verispec, CPU, m) {
@@ -254,5 +253,5 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
   m.impl("w4a8_quantize", &w4a8_quantize);
   m.impl("w4a8_quantize_rows", &quantize_rows);
   m.impl("w4a8_finish", &finish);
-  m.impl("w4a8_linear_row", &w4a8_linear_row);
+  m.impl("w4a8_linear", &w4a8_linear);
 }
