@@ -7,9 +7,11 @@ Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`)
         of rows up to 16, so a verify pass over k + 1 tokens costs what one token costs. Integer
         sums are exact and each row has its own scale, so a row's result does not depend on the
         other rows in the call: the format is batch-invariant, bit for bit.
-  w4a8  4-bit weights (groups of 32 inputs, fp16 scale and zero) times int8 activations (one scale
-        per row), verispec's own AVX-512 VNNI kernel (verispec.models.w4a8, built on first use):
-        half the bytes of w8a8 per token, flat cost up to 8 rows, batch-invariant like w8a8.
+  w4a8  int8 weights that are 4-bit codes times an integer per 32 inputs, times int8 activations:
+        passes of up to 8 rows read the 4-bit codes with verispec's AVX-512 VNNI kernel
+        (verispec.models.w4a8, built on first use), about half w8a8's bytes; longer passes run
+        oneDNN on the int8 values. Same integers either way: batch-invariant like w8a8. Opt-in
+        (auto leaves it out: it costs HumanEval accuracy, see choose_format).
   int8  weight-only int8 (`_weight_int8pack_mm`): fast for one row, slower than dense past 4 rows.
   int4  weight-only int4, groups of 32 inputs (`_weight_int4pack_mm_for_cpu`): idem.
 The weight-only formats keep a dense copy for prefill (many rows), so they serve drafters best.
@@ -177,7 +179,9 @@ class FormatChoice:
 
     @property
     def label(self) -> str:
-        return f"{self.weight_format}-{self.activations}" if self.weight_format in ("w8a8", "w4a8") else self.weight_format
+        if self.weight_format in ("w8a8", "w4a8"):
+            return f"{self.weight_format}-{self.activations}"
+        return self.weight_format
 
 
 BATCH_INVARIANT_FORMATS = ("w4a8", "w8a8")  # each row's result ignores the other rows of a call

@@ -384,7 +384,7 @@ def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
         except w4a8.KernelUnavailable:
             if quantize == "w4a8":
                 raise
-            return  # auto: the other formats remain; choose_format leaves w4a8 out
+            return  # auto: the other formats remain (unavailable_reason now names the failure)
         bar.update(1)
 
 

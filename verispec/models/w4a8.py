@@ -9,9 +9,10 @@ passes (prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the 
 integer sums and then the same float roundings, so a row gets the same bits whichever path and
 whatever other rows run with it (batch-invariant).
 
-No library on PyPI ships an int4 x int8 CPU kernel for torch (torch's own int4 kernel takes
-bfloat16 activations; onnxruntime's grows with the row count and has no int8 twin to agree with),
-so verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
+No package on PyPI gives torch an int4 x int8 CPU kernel that could agree with oneDNN bit for bit:
+torch's int4 kernel takes bfloat16 activations, its `_dyn_quant_matmul_4bit` is a scalar
+reference on x86, torchao's wheel carries no CPU kernels, onnxruntime's grows with the row count.
+So verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
 verispec cache.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-GROUP_SIZE = 32  # inputs per scale and zero
+GROUP_SIZE = 32  # inputs sharing one integer multiplier
 COLUMNS = 16  # output columns per packed block
 # Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
 # whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
@@ -35,7 +36,8 @@ COLUMNS = 16  # output columns per packed block
 KERNEL_MAX_ROWS = 8
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # -fopenmp: at::parallel_for runs on torch's threads
+# -fopenmp: at::parallel_for then runs on torch's threads (without it, on one); no FMA contraction.
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -73,7 +75,8 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + [torch.__version__]).encode()).hexdigest()[:12]
+    recipe = SOURCE.read_bytes() + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
+    digest = hashlib.sha256(recipe).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -130,14 +133,11 @@ def _build_and_load() -> None:
         ) from error
 
 
-MULTIPLIER_MAX = 16  # m * q stays in int8: -8 * 16 = -128, 7 * 16 = 112
-
-
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight (N, K) ~= scale[n] * int8[n, k], int8 = m * q (see the module docstring), in the kernel's C++.
 
     Returns int8 (N, K), the weights oneDNN runs; scale (N,) float32; packed (N/16, K/32, 272)
-    uint8, the same weights as 4-bit codes and per-group multipliers, what the one-row kernel reads.
+    uint8, the same weights as 4-bit codes and per-group multipliers, what the kernel reads.
     Each group keeps the multiplier around its ideal step with the least squared error.
     """
     load_kernel()
