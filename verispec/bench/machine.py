@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.models.cpu import cpu_flags
+
 
 # The instruction sets that decide which matrix kernels are fastest (Intel Xeons advertise AMX, AMD EPYC does not).
 MATRIX_FEATURES = ("avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
@@ -16,14 +18,10 @@ MATRIX_FEATURES = ("avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_til
 def machine_description() -> dict:
     """CPU model, cores, memory, bf16 support, threads and software versions."""
     cpu = platform.processor() or platform.machine()
-    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if cpu and flags:
                 break
     except OSError:
         pass
@@ -41,7 +39,7 @@ def machine_description() -> dict:
         "cores": os.cpu_count(),
         "memory_gib": memory_gib,
         "bfloat16_dot_products": cpu_supports_bfloat16(),
-        "cpu_features": [f for f in MATRIX_FEATURES if f in flags],  # which kernels this CPU can run
+        "cpu_features": [f for f in MATRIX_FEATURES if f in cpu_flags()],  # which kernels this CPU can run
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -242,7 +242,8 @@ def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
         raise ValueError(f"--quantize {requested} needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
     if requested == "w4a8":
         w4a8.load_kernel()  # raises KernelUnavailable with the reason and what to use instead
-        seconds = measure_formats(("w4a8-s8", "w4a8-u8"), dtype)  # the activation kind of multi-row passes
+        # The activation kind matters only where oneDNN runs (passes longer than the kernel's): time it there.
+        seconds = measure_formats(("w4a8-s8", "w4a8-u8"), dtype, rows=(2 * w4a8.KERNEL_MAX_ROWS,))
         return FormatChoice("w4a8", min(seconds, key=seconds.get).partition("-")[2], seconds)
     candidates = AUTO_CANDIDATES if w8a8_available() else ("none",)
     if requested == "w8a8":

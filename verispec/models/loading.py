@@ -23,6 +23,7 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
+from verispec.models.cpu import cpu_flags
 from verispec.models import w4a8
 from verispec.models.linear import AUTO_CANDIDATES, BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
 from verispec.models.transformer import Transformer
@@ -90,11 +91,7 @@ def cache_root() -> Path:
 
 def cpu_supports_bfloat16() -> bool:
     """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 is ~2x f32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

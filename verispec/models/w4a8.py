@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.models.cpu import cpu_flags
+
 GROUP_SIZE = 32  # inputs sharing one integer multiplier
 COLUMNS = 16  # output columns per packed block
 # Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
@@ -45,16 +47,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def missing_cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return list(CPU_FLAGS)
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return [flag for flag in CPU_FLAGS if flag not in flags]
+    return [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
 
 
 _build_failure: KernelUnavailable | None = None  # set once a build failed: not tried again in this process

@@ -139,12 +139,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, bool unsig
     for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xr[i]));
     const float scale = std::max(amax, 1e-12f) / 127.f;
     scale_ptr[r] = scale;
+    const auto code = [scale](float v) { return std::min(127.f, std::max(-127.f, std::nearbyint(v / scale))); };
     if (unsigned_values) {
       uint8_t* qr = q.data_ptr<uint8_t>() + r * k;
-      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<uint8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[i] / scale))) + 128.f);
+      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<uint8_t>(code(xr[i]) + 128.f);
     } else {
       int8_t* qr = q.data_ptr<int8_t>() + r * k;
-      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[i] / scale))));
+      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<int8_t>(code(xr[i]));
     }
   }
   return {q, row_scale};
