@@ -50,18 +50,34 @@ def test_linear_rows_do_not_depend_on_the_other_rows(weight_format, activations)
 
 
 def test_w4a8_kernel_gives_the_exact_integer_sums_of_the_int8_weights():
-    """The 4-bit codes and multipliers hold exactly the int8 weights oneDNN runs, and the kernel's
+    """The 4-bit codes, multipliers and offsets hold exactly the int8 weights oneDNN runs, and the kernel's
     output is float(sum of their int8 products) * scale: checked against int64 sums."""
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(64, 128, generator=generator) * torch.rand(64, 1, generator=generator)
     weight[3, 5] = 40.0  # an outlier: its row's other groups get small multipliers
     int8, scale, packed = w4a8.quantize(weight.to(torch.bfloat16))
-    assert packed.shape == (4, 4, 272) and int(int8.min()) >= -128 and int(int8.max()) <= 112
+    assert packed.shape == (4, 4, 288)
     xq = torch.randint(-127, 128, (3, 128), generator=generator, dtype=torch.int8)
     exact = (xq.long() @ int8.long().T).float() * scale  # (3, 64): integer sums are exact in int64
     assert torch.equal(w4a8.matmul(xq, packed, scale), exact)
     error = (int8.float() * scale[:, None] - weight).norm() / weight.norm()
     assert error < 0.12, f"4-bit relative error {error:.4f}"
+
+
+def test_w4a8_groups_use_all_16_codes_on_their_own_range():
+    """Groups whose weights are all positive (or all negative) get an offset: their 16 codes cover
+    [min, max], not [-max, max] as a symmetric grid would (half the codes unused, twice the error)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.rand(32, 256, generator=generator)  # uniform in [0, 1): every group one-sided
+    weight[:, 32:64] -= 1.0  # and some groups all negative
+    int8, scale, packed = w4a8.quantize(weight.to(torch.bfloat16))
+    codes = int8.view(32, 8, 32)
+    # 32 draws over 16 codes hit ~14 of them; a symmetric grid could use at most 9 (0..8 of -8..7)
+    assert min(len(group.unique()) for group in codes.flatten(0, 1)) >= 10
+    error = (int8.float() * scale[:, None] - weight.to(torch.bfloat16).float()).norm() / weight.norm()
+    assert error < 0.045, f"4-bit relative error {error:.4f} (a symmetric grid gives ~0.07)"
+    xq = torch.randint(-127, 128, (5, 256), generator=generator, dtype=torch.int8)
+    assert torch.equal(w4a8.matmul(xq, packed, scale), (xq.long() @ int8.long().T).float() * scale)
 
 
 @pytest.mark.parametrize("weight_format", FAST_FORMATS)

@@ -7,7 +7,7 @@ Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`)
         of rows up to 16, so a verify pass over k + 1 tokens costs what one token costs. Integer
         sums are exact and each row has its own scale, so a row's result does not depend on the
         other rows in the call: the format is batch-invariant, bit for bit.
-  w4a8  int8 weights that are 4-bit codes times an integer per 32 inputs, times int8 activations:
+  w4a8  int8 weights that are 4-bit codes times an integer plus an integer, per 32 inputs, times int8 activations:
         passes of up to 8 rows read the 4-bit codes with verispec's AVX-512 VNNI kernel
         (verispec.models.w4a8, built on first use), about half w8a8's bytes; longer passes run
         oneDNN on the int8 values. Same integers either way: batch-invariant like w8a8. Opt-in
@@ -58,7 +58,7 @@ class Linear:
         self.dense: torch.Tensor | None = weight  # (out, in) kept by weight-only formats for many-row inputs
         self.activations = "s8"  # w8a8: how activations are stored (see W8A8_ACTIVATIONS)
         self._zero_points: torch.Tensor | None = None  # w8a8: (out,) zeros, oneDNN's per-channel weight zero points
-        self.packed: torch.Tensor | None = None  # w4a8: (out/16, in/32, 272) 4-bit codes and group multipliers
+        self.packed: torch.Tensor | None = None  # w4a8: (out/16, in/32, 288) 4-bit codes, group multipliers and offsets
 
     def quantize(self, weight_format: str, activations: str = "s8") -> None:
         if weight_format == "w4a8":

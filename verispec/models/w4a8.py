@@ -1,8 +1,9 @@
 """The w4a8 format: int8 weights that are 4-bit codes times small integers, read as 4 bits by short passes.
 
-Every weight is an int8 value w[n, k] = m[n, g] * q[n, k] with q in -8..7 and an integer
-multiplier m in 1..16 per group g of 32 inputs, times a float scale per output row (the int8
-weights of w8a8, restricted to values a 4-bit code can name). Activations are int8 with one scale
+Every weight is an int8 value w[n, k] = m[n, g] * q[n, k] + o[n, g] with q in -8..7, an integer
+multiplier m in 1..16 and an integer offset o per group g of 32 inputs (an asymmetric grid, like
+llama.cpp's Q4_1), times a float scale per output row: the int8 weights of w8a8, restricted to
+values a 4-bit code can name. Activations are int8 with one scale
 per row, as in w8a8. Passes of up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft
 step) run verispec's kernel over the 4-bit codes and multipliers, half the bytes of int8; longer
 passes (prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact
@@ -30,7 +31,7 @@ import torch
 
 from verispec.models.cpu import cpu_flags
 
-GROUP_SIZE = 32  # inputs sharing one integer multiplier
+GROUP_SIZE = 32  # inputs sharing one integer multiplier and offset
 COLUMNS = 16  # output columns per packed block
 # Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
 # whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
@@ -127,11 +128,11 @@ def _build_and_load() -> None:
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight (N, K) ~= scale[n] * int8[n, k], int8 = m * q (see the module docstring), in the kernel's C++.
+    """weight (N, K) ~= scale[n] * int8[n, k], int8 = m * q + o (see the module docstring), in the kernel's C++.
 
-    Returns int8 (N, K), the weights oneDNN runs; scale (N,) float32; packed (N/16, K/32, 272)
-    uint8, the same weights as 4-bit codes and per-group multipliers, what the kernel reads.
-    Each group keeps the multiplier around its ideal step with the least squared error.
+    Returns int8 (N, K), the weights oneDNN runs; scale (N,) float32; packed (N/16, K/32, 288)
+    uint8, the same weights as 4-bit codes and per-group multipliers and offsets, what the kernel
+    reads. Each group keeps the multiplier and offset around its ideal grid with the least squared error.
     """
     load_kernel()
     return torch.ops.verispec.w4a8_quantize(weight)

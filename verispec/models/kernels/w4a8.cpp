@@ -1,18 +1,20 @@
 // w4a8 linear for short passes: 4-bit weights times int8 activations, integer dot products (AVX-512 VNNI).
 //
-// Weights are int8 values w[n, k] = m[n, g] * q[n, k] with q in -8..7 (stored as q + 8 in a nibble)
-// and an integer multiplier m in 1..16 per group g of 32 inputs, times a float scale s[n] per
-// output row. Activations are int8 xq[r, k] with a float scale sx[r] per row. So
-//   y[r, n] = (float(A[r, n]) * s[n]) * sx[r]        A = sum_g m[n, g] * sum_{k in g} xq[r, k] * q[n, k]
+// Weights are int8 values w[n, k] = m[n, g] * q[n, k] + o[n, g] with q in -8..7 (stored as q + 8 in a
+// nibble), an integer multiplier m in 1..16 and an integer offset o per group g of 32 inputs (an
+// asymmetric 4-bit grid, like llama.cpp's Q4_1), times a float scale s[n] per output row. Activations
+// are int8 xq[r, k] with a float scale sx[r] per row. So
+//   y[r, n] = (float(A[r, n]) * s[n]) * sx[r]
+//   A = sum_g m[n, g] * sum_{k in g} xq[r, k] * q[n, k] + o[n, g] * sum_{k in g} xq[r, k]
 // where A is an exact int32: the very integer that oneDNN's int8 matmul computes from the same
-// int8 weights, followed by the same two float roundings. This kernel reads half the bytes of
+// int8 weights, followed by the same two float roundings. This kernel reads about half the bytes of
 // the int8 weights, for passes of a few rows; longer passes go to oneDNN with the int8 weights, and
 // every row gets the same bits either way (verispec's batch invariance).
 //
-// Packed layout, (N / 16, K / 32, 272) bytes: for each block of 16 output columns and each group
-// of 32 inputs, 256 bytes of nibbles, then the 16 columns' multipliers (uint8). Byte
-// 64 * j + 4 * c + r holds q[c, 8 j + r] + 8 in its low nibble and q[c, 8 j + 4 + r] + 8 in its
-// high nibble (c: column in the block, r: 0..3): each nibble plane is a vpdpbusd operand.
+// Packed layout, (N / 16, K / 32, 288) bytes: for each block of 16 output columns and each group
+// of 32 inputs, 256 bytes of nibbles, then the 16 columns' multipliers (uint8), then their offsets
+// (int8). Byte 64 * j + 4 * c + r holds q[c, 8 j + r] + 8 in its low nibble and q[c, 8 j + 4 + r] + 8
+// in its high nibble (c: column in the block, r: 0..3): each nibble plane is a vpdpbusd operand.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +33,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kCols = 16;
 constexpr int64_t kNibbleBytes = 256;
-constexpr int64_t kBlockBytes = kNibbleBytes + kCols;
+constexpr int64_t kBlockBytes = kNibbleBytes + 2 * kCols;  // nibbles, multipliers, offsets
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kPrefetchBytes = 8 * kBlockBytes;
 
@@ -41,10 +43,11 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// One block of 16 output columns for `Rows` rows. xq: (Rows, K) int8; offsets: (Rows, G) int32
-// holding 8 * sum of the group's xq (what the +8 of the stored nibbles adds).
+// One block of 16 output columns for `Rows` rows. xq: (Rows, K) int8; sums: (Rows, G) int32 holding
+// each group's sum of xq times -8 in the low 16 bits (what the +8 of the stored nibbles adds) and
+// times 1 in the high 16 bits (what the offsets multiply).
 template <int Rows>
-void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64_t k, const int32_t* offsets,
+void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64_t k, const int32_t* sums,
                   __m512i* totals) {
   __m512i acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_si512();
@@ -60,11 +63,16 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64
       w[2 * j] = _mm512_and_si512(p, low4);
       w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
     }
-    // m in the low 16 bits of each int32 lane, 0 above: vpmaddwd then gives m * (a 16-bit value).
+    // Per int32 lane (a column): m in the low 16 bits, o in the high 16; vpmaddwd of a lane holding
+    // (dot, group sum) then gives m * dot + o * group sum.
     const __m512i multiplier = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleBytes)));
+    const __m512i offset = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleBytes + kCols)));
+    const __m512i factors = _mm512_or_si512(multiplier, _mm512_slli_epi32(offset, 16));
     for (int r = 0; r < Rows; ++r) {
       const int8_t* xg = xq + r * k + g * kGroup;
-      __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xg));
+      const int32_t group_sums = sums[r * groups + g];
+      // Starting from -8 * sum: sum_k q * xq = sum_k (q + 8) * xq - 8 * sum_k xq.
+      __m512i even = _mm512_dpbusd_epi32(_mm512_set1_epi32(static_cast<int16_t>(group_sums & 0xFFFF)), w[0], broadcast4(xg));
       __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], broadcast4(xg + 4));
       even = _mm512_dpbusd_epi32(even, w[2], broadcast4(xg + 8));
       odd = _mm512_dpbusd_epi32(odd, w[3], broadcast4(xg + 12));
@@ -72,10 +80,9 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64
       odd = _mm512_dpbusd_epi32(odd, w[5], broadcast4(xg + 20));
       even = _mm512_dpbusd_epi32(even, w[6], broadcast4(xg + 24));
       odd = _mm512_dpbusd_epi32(odd, w[7], broadcast4(xg + 28));
-      // sum_k q * xq = sum_k (q + 8) * xq - 8 * sum_k xq; |it| <= 32 * 8 * 127 < 2^15, so it fits
-      // the 16-bit multiply of vpmaddwd (the upper half of the lane is its sign, times 0).
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(offsets[r * groups + g]));
-      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(dot, multiplier));
+      // |sum_k q * xq| <= 32 * 8 * 127 < 2^15: it fits the low 16-bit half; the group sum fills the high half.
+      const __m512i dot = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_add_epi32(even, odd), _mm512_set1_epi32(group_sums));
+      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(dot, factors));
     }
   }
   for (int r = 0; r < Rows; ++r) totals[r] = acc[r];
@@ -86,24 +93,25 @@ constexpr BlockFunction kBlockFunctions[kRowsPerPass] = {column_block<1>, column
                                                          column_block<4>};
 
 // xq: (M, K) int8, the activations already quantized (by the caller, the same way for every
-// path); packed: (N / 16, K / 32, 272) uint8; weight_scale: (N,) float32. Returns (M, N) float32:
+// path); packed: (N / 16, K / 32, 288) uint8; weight_scale: (N,) float32. Returns (M, N) float32:
 // float(A) * weight_scale (the caller multiplies by its row scales, as after oneDNN).
 at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& weight_scale) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar, "w4a8_matmul: xq must be (M, K) int8");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte,
-              "w4a8_matmul: packed weights must be (N/16, K/32, 272) uint8");
+              "w4a8_matmul: packed weights must be (N/16, K/32, 288) uint8");
   const int64_t rows = xq.size(0), k = xq.size(1);
   const int64_t column_blocks = packed.size(0), groups = packed.size(1), n = column_blocks * kCols;
   TORCH_CHECK(k == groups * kGroup, "w4a8_matmul: xq has ", k, " inputs, the weights ", groups * kGroup);
   TORCH_CHECK(weight_scale.numel() == n && weight_scale.scalar_type() == at::kFloat,
               "w4a8_matmul: weight_scale must be (N,) float32");
   const at::Tensor x = xq.contiguous(), w = packed.contiguous(), scale = weight_scale.contiguous();
-  // 8 * each group's activation sum, exact in int32.
-  const at::Tensor offsets = x.view({rows, groups, kGroup}).sum(-1, false, at::kInt).mul(8).contiguous();
+  // Each group's activation sum S (|S| <= 32 * 127), packed as (S << 16) | (-8 S & 0xFFFF): see column_block.
+  const at::Tensor group_sums = x.view({rows, groups, kGroup}).sum(-1, false, at::kInt);
+  const at::Tensor sums = group_sums.mul(65536).add(group_sums.mul(-8).bitwise_and(0xFFFF)).contiguous();
   at::Tensor y = at::empty({rows, n}, xq.options().dtype(at::kFloat));
   const uint8_t* w_ptr = w.data_ptr<uint8_t>();
   const int8_t* x_ptr = x.data_ptr<int8_t>();
-  const int32_t* offsets_ptr = offsets.data_ptr<int32_t>();
+  const int32_t* sums_ptr = sums.data_ptr<int32_t>();
   const float* scale_ptr = scale.data_ptr<float>();
   float* y_ptr = y.data_ptr<float>();
   at::parallel_for(0, column_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -113,7 +121,7 @@ at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at:
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         const int64_t count = std::min<int64_t>(kRowsPerPass, rows - r0);
         kBlockFunctions[count - 1](w_ptr + cb * groups * kBlockBytes, groups, x_ptr + r0 * k, k,
-                                   offsets_ptr + r0 * groups, totals);
+                                   sums_ptr + r0 * groups, totals);
         for (int64_t r = 0; r < count; ++r) {
           _mm512_storeu_ps(y_ptr + (r0 + r) * n + cb * kCols, _mm512_mul_ps(_mm512_cvtepi32_ps(totals[r]), s));
         }
@@ -168,12 +176,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return finish(w4a8_matmul(q, packed, weight_scale), row_scale, bias, x.scalar_type());
 }
 
-constexpr float kRowLevels = 120.f;  // a row's largest |w| is 120 int8 steps: its group gets m = 16 at q = +-7.5
-constexpr int kMultiplierMax = 16;    // m * q stays in int8: -8 * 16 = -128, 7 * 16 = 112
+constexpr float kRowLevels = 120.f;  // a row's largest |w| is 120 int8 steps: 15 steps of m = 16 span the row
+constexpr int kMultiplierMax = 16;    // o - 8 m >= -128 and o + 7 m <= 127 then leave room for an offset
 
-// One row: int8 values m * q, the codes q + 8 written into the packed blocks, the row's scale.
-// Each group keeps the multiplier, among those around its ideal step absmax / 7.5, with the
-// least squared error (rounding q to the nearest code, clamped to -8..7).
+// One row: int8 values m * q + o, the codes q + 8 and each group's m and o written into the packed
+// blocks, the row's scale. Each group keeps, among the multipliers around its ideal step (range / 15)
+// and the offsets around the one that centres its range, the pair with the least squared error
+// (rounding q to the nearest code, clamped to -8..7).
 template <typename scalar_t>
 void quantize_row(const scalar_t* w, int64_t k, int8_t* int8_row, float* scale, uint8_t* packed_row, int64_t column,
                   std::vector<float>& v) {
@@ -185,35 +194,41 @@ void quantize_row(const scalar_t* w, int64_t k, int8_t* int8_row, float* scale, 
   const float s = std::max(row_max, 1e-12f) / kRowLevels;
   *scale = s;
   for (int64_t i = 0; i < k; ++i) v[i] /= s;
+  const auto code = [](float value, int m, int o) {
+    return static_cast<int>(std::min(7.f, std::max(-8.f, std::nearbyint((value - o) / m))));
+  };
   const int64_t groups = k / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const float* vg = v.data() + g * kGroup;
-    float absmax = 0.f;
-    for (int i = 0; i < kGroup; ++i) absmax = std::max(absmax, std::fabs(vg[i]));
-    const int ideal = static_cast<int>(std::ceil(absmax / 7.5f));
-    int best_m = 1;
+    const auto [low, high] = std::minmax_element(vg, vg + kGroup);
+    const int ideal = static_cast<int>(std::ceil(std::max(1.f, (*high - *low) / 15.f)));
+    int best_m = 1, best_o = 0;
     float best_error = INFINITY;
-    for (int m = std::max(1, ideal - 2); m <= std::min(kMultiplierMax, ideal + 1); ++m) {
-      float error = 0.f;
-      for (int i = 0; i < kGroup; ++i) {
-        const float q = std::min(7.f, std::max(-8.f, std::nearbyint(vg[i] / m)));
-        error += (vg[i] - q * m) * (vg[i] - q * m);
+    for (int m = std::max(1, ideal - 1); m <= std::min(kMultiplierMax, ideal + 1); ++m) {
+      const int centred = static_cast<int>(std::nearbyint((*high + *low) / 2 + m / 2.f));
+      for (int o = std::max(centred - 1, -128 + 8 * m); o <= std::min(centred + 1, 127 - 7 * m); ++o) {
+        float error = 0.f;
+        for (int i = 0; i < kGroup; ++i) {
+          const float d = vg[i] - static_cast<float>(code(vg[i], m, o) * m + o);
+          error += d * d;
+        }
+        if (error < best_error) best_error = error, best_m = m, best_o = o;
       }
-      if (error < best_error) best_error = error, best_m = m;
     }
     uint8_t* block = packed_row + g * kBlockBytes;
     block[kNibbleBytes + column] = static_cast<uint8_t>(best_m);
+    block[kNibbleBytes + kCols + column] = static_cast<uint8_t>(static_cast<int8_t>(best_o));
     for (int i = 0; i < kGroup; ++i) {
-      const int q = static_cast<int>(std::min(7.f, std::max(-8.f, std::nearbyint(vg[i] / best_m))));
-      int8_row[g * kGroup + i] = static_cast<int8_t>(q * best_m);
-      const int j = i / 8, high = (i % 8) / 4, r = i % 4;
+      const int q = code(vg[i], best_m, best_o);
+      int8_row[g * kGroup + i] = static_cast<int8_t>(q * best_m + best_o);
+      const int j = i / 8, high_nibble = (i % 8) / 4, r = i % 4;
       uint8_t& byte = block[64 * j + 4 * column + r];
-      byte = high ? (byte & 0x0F) | ((q + 8) << 4) : (byte & 0xF0) | (q + 8);
+      byte = high_nibble ? (byte & 0x0F) | ((q + 8) << 4) : (byte & 0xF0) | (q + 8);
     }
   }
 }
 
-// weight (N, K) -> int8 (N, K) = m * q, scale (N,) float32, packed (N / 16, K / 32, 272) uint8.
+// weight (N, K) -> int8 (N, K) = m * q + o, scale (N,) float32, packed (N / 16, K / 32, 288) uint8.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "w4a8_quantize: weight must be (N, K)");
   const int64_t n = weight.size(0), k = weight.size(1);
