@@ -108,12 +108,12 @@ def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None
         config = draft.model.config  # timed on the draft's own MLP shape, for one row (drafting)
 
         def measure() -> dict:
-            seconds = measure_formats(
-                candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,)
+            seconds = measure_formats(  # four copies: from memory, as the draft's whole forward reads them
+                candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,), copies=4
             )
             return {"best": min(seconds, key=seconds.get) if seconds else None, "seconds": seconds}
 
-        shape = f"{config.hidden_size}x{2 * config.intermediate_size}"
+        shape = f"4x{config.hidden_size}x{2 * config.intermediate_size}"
         best = remembered_choice(f"draft {quantize} {shape} among {','.join(candidates)}", measure)["best"]
         if best is None:
             raise ValueError("--draft-quantize w8a8: oneDNN's int8 kernels do not run here; use int4 or none")

@@ -370,7 +370,7 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
 def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
     """Build the w4a8 kernel now, with a progress line, when `quantize` may pick it and it is not built yet.
 
-    A target's `auto` does not pick w4a8 (see choose_format); a draft's does.
+    `auto` (target or draft) times w4a8 among the other formats when it can run.
     """
     wanted = quantize == "w4a8" or (quantize == "auto" and dtype == torch.bfloat16)
     if not wanted or w4a8.unavailable_reason() is not None or w4a8.is_built():
