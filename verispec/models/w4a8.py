@@ -3,12 +3,12 @@
 Every weight is an int8 value w[n, k] = m[n, g] * q[n, k] + o[n, g] with q in -8..7, an integer
 multiplier m in 1..16 and an integer offset o per group g of 32 inputs (an asymmetric grid, like
 llama.cpp's Q4_1), times a float scale per output row: the int8 weights of w8a8, restricted to
-values a 4-bit code can name. Activations are int8 with one scale
-per row, as in w8a8. Passes of up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft
-step) run verispec's kernel over the 4-bit codes and multipliers, half the bytes of int8; longer
-passes (prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact
-integer sums and then the same float roundings, so a row gets the same bits whichever path and
-whatever other rows run with it (batch-invariant).
+values a 4-bit code can name. Activations are int8 with one scale per row, as in w8a8. Passes of
+up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft step) run verispec's kernel
+over the 4-bit codes, multipliers and offsets, about half the bytes of int8; longer passes
+(prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact integer sums
+and then the same float roundings, so a row gets the same bits whichever path and whatever other
+rows run with it (batch-invariant).
 
 No package on PyPI gives torch an int4 x int8 CPU kernel that could agree with oneDNN bit for bit:
 torch's int4 kernel takes bfloat16 activations, its `_dyn_quant_matmul_4bit` is a scalar

@@ -105,9 +105,14 @@ at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at:
   TORCH_CHECK(weight_scale.numel() == n && weight_scale.scalar_type() == at::kFloat,
               "w4a8_matmul: weight_scale must be (N,) float32");
   const at::Tensor x = xq.contiguous(), w = packed.contiguous(), scale = weight_scale.contiguous();
-  // Each group's activation sum S (|S| <= 32 * 127), packed as (S << 16) | (-8 S & 0xFFFF): see column_block.
-  const at::Tensor group_sums = x.view({rows, groups, kGroup}).sum(-1, false, at::kInt);
-  const at::Tensor sums = group_sums.mul(65536).add(group_sums.mul(-8).bitwise_and(0xFFFF)).contiguous();
+  // Each group's activation sum S (|S| <= 32 * 127), packed as S * 2^16 + (-8 S & 0xFFFF): see column_block.
+  at::Tensor sums = at::empty({rows, groups}, xq.options().dtype(at::kInt));
+  for (int64_t rg = 0; rg < rows * groups; ++rg) {
+    const int8_t* xg = x.data_ptr<int8_t>() + rg * kGroup;  // (r, g) is row-major, as xq's groups are
+    int32_t sum = 0;
+    for (int i = 0; i < kGroup; ++i) sum += xg[i];
+    sums.data_ptr<int32_t>()[rg] = sum * 65536 + ((-8 * sum) & 0xFFFF);
+  }
   at::Tensor y = at::empty({rows, n}, xq.options().dtype(at::kFloat));
   const uint8_t* w_ptr = w.data_ptr<uint8_t>();
   const int8_t* x_ptr = x.data_ptr<int8_t>();
