@@ -306,8 +306,7 @@ def load_model(
     server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
-    if quantize == "w4a8":
-        build_kernel(quantize, torch_dtype, progress)
+    build_kernel(quantize, torch_dtype, progress)
     choice = resolve_format(quantize, torch_dtype)
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
@@ -368,14 +367,15 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
 
 
 def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
-    """Build the w4a8 kernel now, with a progress line, when `quantize` may pick it and it is not built yet.
+    """Build verispec's kernels now, with a progress line, when the format may use them and they are not built yet.
 
-    `auto` (target or draft) times w4a8 among the other formats when it can run.
+    `auto` (target or draft) times w4a8 among the other formats when it can run; w4a8 and w8a8 targets
+    attend with the attention kernel built beside it (verispec.models.transformer).
     """
-    wanted = quantize == "w4a8" or (quantize == "auto" and dtype == torch.bfloat16)
+    wanted = quantize in ("w4a8", "w8a8") or (quantize == "auto" and dtype == torch.bfloat16)
     if not wanted or w4a8.unavailable_reason() is not None or w4a8.is_built():
         return
-    with _progress_bar(1, "building the w4a8 kernel (once per machine)", progress, unit="kernel") as bar:
+    with _progress_bar(1, "building verispec's kernels (once per machine)", progress, unit="kernel") as bar:
         try:
             w4a8.load_kernel()
         except w4a8.KernelUnavailable:

@@ -8,9 +8,12 @@ through this one function, so speed comparisons between them are fair.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from verispec.models import w4a8
 from verispec.models.config import ModelConfig
 from verispec.models.kv_cache import KVCache, WritePlan
 from verispec.models.linear import BATCH_INVARIANT_FORMATS, FORMATS, Linear
@@ -42,6 +45,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return (x * cos).add_(rotated)  # (..., D)
 
 
+# torch's CPU attention in bfloat16 costs ~9x its float32 one for one query (573 against 65 us for 12
+# heads over 520 keys, AMD EPYC, 2 threads), so batched torch attention runs in float32, which is also
+# the more exact; the one-query-at-a-time attention of batch-invariant targets has its own kernel.
+ATTENTION_DTYPE = torch.float32
 INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs (prompt prefill) take one masked attention call
 
 
@@ -62,16 +69,35 @@ def _visible_slots(plan: WritePlan, mask: torch.Tensor | None) -> list[list[int 
     return rows
 
 
+@functools.cache
+def attention_kernel_available() -> bool:
+    """Whether verispec's attention kernel (kernels/attention.cpp, built with the w4a8 kernel) runs here.
+
+    Asked once per process, so every forward of a process attends the same way.
+    """
+    if w4a8.unavailable_reason() is not None:
+        return False
+    try:
+        w4a8.load_kernel()
+    except w4a8.KernelUnavailable:
+        return False
+    return True
+
+
 def _attention_per_row(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_keys: list[list[int | torch.Tensor]]
 ) -> torch.Tensor:
     """Attention one query at a time over exactly the keys it sees, in slot order.
 
-    q: (B, H, T, D); keys, values: (B, Hkv, S, D). A token verified at position p gets the very call
-    (one query, keys 0 .. p) that plain decoding makes for it, so its result is bit-identical; a
-    batched or masked call would reorder the sums with the number of rows. Costs one call per row,
-    small next to the matmuls for the few rows of a verify pass.
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D). A token verified at position p gets the very
+    computation (one query, keys 0 .. p) that plain decoding makes for it, so its result is
+    bit-identical; a batched or masked call would reorder the sums with the number of rows.
+    verispec's attention kernel does all queries of a pass in one call, each alone; without it,
+    one float32 torch call per query.
     """
+    if attention_kernel_available():
+        return _attention_kernel(q, keys, values, row_keys)
+    q, keys, values = (t.float() for t in (q, keys, values))  # see ATTENTION_DTYPE
     if len(row_keys) == 1 and len(row_keys[0]) == 1 and _sees_all(row_keys[0][0], keys):
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)  # (1, H, 1, D) plain decoding
     rows = []
@@ -85,6 +111,28 @@ def _attention_per_row(
                 k, v = row_k[:, :, seen], row_v[:, :, seen]  # (1, Hkv, n, D)
             query = row_q.narrow(2, t, 1)  # (1, H, 1, D)
             tokens.append(F.scaled_dot_product_attention(query, k, v, enable_gqa=True))  # (1, H, 1, D)
+        rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
+    return torch.cat(rows)  # (B, H, T, D)
+
+
+def _attention_kernel(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_keys: list[list[int | torch.Tensor]]
+) -> torch.Tensor:
+    """_attention_per_row through verispec's kernel: chains in one call; a tree node's keys (a subset of
+    slots) gathered in slot order first, which gives it the arithmetic of a chain over those keys."""
+    if all(isinstance(seen, int) for per_token in row_keys for seen in per_token):
+        counts = torch.tensor(row_keys, dtype=torch.long)  # (B, T)
+        return torch.ops.verispec.attend(q, keys, values, counts)  # (B, H, T, D)
+    rows = []
+    for b, per_token in enumerate(row_keys):
+        tokens = []
+        for t, seen in enumerate(per_token):
+            if isinstance(seen, int):
+                k, v = keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen]  # (1, Hkv, n, D)
+            else:
+                k, v = keys[b : b + 1, :, seen], values[b : b + 1, :, seen]  # (1, Hkv, n, D)
+            count = torch.tensor([[k.shape[2]]])  # (1, 1)
+            tokens.append(torch.ops.verispec.attend(q[b : b + 1, :, t : t + 1], k, v, count))  # (1, H, 1, D)
         rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
     return torch.cat(rows)  # (B, H, T, D)
 
@@ -286,11 +334,14 @@ class Transformer:
         batch, num_new = input_ids.shape
         plan = cache.plan_write(num_new)  # where the new keys go, shared by every layer
         cos, sin = self._rope(plan, positions)  # (B or 1, T, 1, D) each
-        invariant = self.batch_invariant and num_new <= INVARIANT_ATTENTION_MAX_ROWS
+        # One query at a time: what batch invariance needs, and where the kernel runs, the fastest way for
+        # any model to attend over a few new tokens (a tree of a model that need not be invariant takes one masked call).
+        per_query = self.batch_invariant or (tree_mask is None and attention_kernel_available())
+        per_query = per_query and num_new <= INVARIANT_ATTENTION_MAX_ROWS
         mask = None  # (B, 1, T, S): batched attention, and the visible slots of a tree
-        if tree_mask is not None or not invariant:
+        if tree_mask is not None or not per_query:
             mask = self._attention_mask(cache, plan, tree_mask)
-        row_keys = _visible_slots(plan, mask) if invariant else None  # for each (b, t), the slots it sees
+        row_keys = _visible_slots(plan, mask) if per_query else None  # for each (b, t), the slots it sees
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         qk_size = q_size + kv_size
@@ -307,9 +358,11 @@ class Transformer:
             v = v.transpose(1, 2)  # (B, Hkv, T, D)
             keys, values = cache.write(index, k, v, plan)  # (B, Hkv, S, D)
             if row_keys is not None:
-                attn = _attention_per_row(q, keys, values, row_keys)  # (B, H, T, D)
-            else:
+                attn = _attention_per_row(q, keys, values, row_keys).to(self.dtype)  # (B, H, T, D)
+            else:  # in float32: see ATTENTION_DTYPE
+                q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+                attn = attn.to(self.dtype)
             x = x + layer.out(attn.transpose(1, 2).reshape(batch, num_new, q_size))
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # (B, T, I) each

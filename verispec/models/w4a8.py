@@ -37,7 +37,8 @@ COLUMNS = 16  # output columns per packed block
 # whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
 # 2 threads: benchmarks/fast-w4a8/).
 KERNEL_MAX_ROWS = 8
-SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
+# One extension holds the w4a8 kernel and the attention kernel of batch-invariant targets (see transformer).
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp")]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -fopenmp: at::parallel_for then runs on torch's threads (without it, on one); no FMA contraction.
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -69,7 +70,7 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    recipe = SOURCE.read_bytes() + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
+    recipe = b"".join(source.read_bytes() for source in SOURCES) + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
     digest = hashlib.sha256(recipe).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def is_built() -> bool:
 
 
 def load_kernel() -> None:
-    """Build (first time) and load the kernel, registering torch.ops.verispec.w4a8_linear."""
+    """Build (first time) and load the kernels, registering torch.ops.verispec.w4a8_linear and .attend."""
     global _build_failure
     if hasattr(torch.ops.verispec, "w4a8_linear"):
         return
@@ -116,7 +117,7 @@ def _build_and_load() -> None:
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             cpp_extension.load(
-                name="verispec_w4a8", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                name="verispec_kernels", sources=[str(source) for source in SOURCES], extra_cflags=COMPILE_FLAGS,
                 extra_ldflags=["-fopenmp"], build_directory=str(_build_directory()), is_python_module=False,
                 verbose=False,
             )

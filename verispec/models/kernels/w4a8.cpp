@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,7 +35,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kCols = 16;
 constexpr int64_t kNibbleBytes = 256;
 constexpr int64_t kBlockBytes = kNibbleBytes + 2 * kCols;  // nibbles, multipliers, offsets
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 8;  // a verify pass of up to 8 rows reads the weights once
 constexpr int64_t kPrefetchBytes = 8 * kBlockBytes;
 
 inline __m512i broadcast4(const int8_t* p) {
@@ -90,77 +91,127 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64
 
 using BlockFunction = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, __m512i*);
 constexpr BlockFunction kBlockFunctions[kRowsPerPass] = {column_block<1>, column_block<2>, column_block<3>,
-                                                         column_block<4>};
+                                                         column_block<4>, column_block<5>, column_block<6>,
+                                                         column_block<7>, column_block<8>};
 
-// xq: (M, K) int8, the activations already quantized (by the caller, the same way for every
-// path); packed: (N / 16, K / 32, 288) uint8; weight_scale: (N,) float32. Returns (M, N) float32:
-// float(A) * weight_scale (the caller multiplies by its row scales, as after oneDNN).
-at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& weight_scale) {
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar, "w4a8_matmul: xq must be (M, K) int8");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte,
-              "w4a8_matmul: packed weights must be (N/16, K/32, 288) uint8");
-  const int64_t rows = xq.size(0), k = xq.size(1);
-  const int64_t column_blocks = packed.size(0), groups = packed.size(1), n = column_blocks * kCols;
-  TORCH_CHECK(k == groups * kGroup, "w4a8_matmul: xq has ", k, " inputs, the weights ", groups * kGroup);
-  TORCH_CHECK(weight_scale.numel() == n && weight_scale.scalar_type() == at::kFloat,
-              "w4a8_matmul: weight_scale must be (N,) float32");
-  const at::Tensor x = xq.contiguous(), w = packed.contiguous(), scale = weight_scale.contiguous();
-  // Each group's activation sum S (|S| <= 32 * 127), packed as S * 2^16 + (-8 S & 0xFFFF): see column_block.
-  at::Tensor sums = at::empty({rows, groups}, xq.options().dtype(at::kInt));
+// Each group's activation sum S (|S| <= 32 * 127), packed as S * 2^16 + (-8 S & 0xFFFF): see column_block.
+void group_sums(const int8_t* xq, int64_t rows, int64_t groups, int32_t* sums) {
   for (int64_t rg = 0; rg < rows * groups; ++rg) {
-    const int8_t* xg = x.data_ptr<int8_t>() + rg * kGroup;  // (r, g) is row-major, as xq's groups are
+    const int8_t* xg = xq + rg * kGroup;  // (r, g) is row-major, as xq's groups are
     int32_t sum = 0;
     for (int i = 0; i < kGroup; ++i) sum += xg[i];
-    sums.data_ptr<int32_t>()[rg] = sum * 65536 + ((-8 * sum) & 0xFFFF);
+    sums[rg] = sum * 65536 + ((-8 * sum) & 0xFFFF);
   }
-  at::Tensor y = at::empty({rows, n}, xq.options().dtype(at::kFloat));
-  const uint8_t* w_ptr = w.data_ptr<uint8_t>();
-  const int8_t* x_ptr = x.data_ptr<int8_t>();
-  const int32_t* sums_ptr = sums.data_ptr<int32_t>();
-  const float* scale_ptr = scale.data_ptr<float>();
-  float* y_ptr = y.data_ptr<float>();
+}
+
+// float32 -> bfloat16 bits, rounding to nearest even: what c10::BFloat16(float) and aten's .to() do
+// for every value a linear layer produces (NaN aside), 16 lanes at a time.
+inline __m256i to_bfloat16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// What to do with a column block's 16 exact sums A of one row: y = float(A) * weight_scale, and for
+// a whole linear then ((y * row_scale) + bias) in the output dtype, the same float operations in the
+// same order as finish() below, so the fused and the oneDNN paths round alike.
+struct Epilogue {
+  const float* weight_scale;  // (N,)
+  const float* row_scale = nullptr;  // (M,) or nullptr: stop at y, in float32
+  const float* bias = nullptr;  // (N,) or nullptr
+  bool bfloat16_out = false;
+  void* out;  // (M, N) float32 or bfloat16
+  int64_t n;
+
+  void store(int64_t row, int64_t column, __m512i total) const {
+    __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_loadu_ps(weight_scale + column));
+    if (row_scale != nullptr) {
+      y = _mm512_mul_ps(y, _mm512_set1_ps(row_scale[row]));
+      if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + column));
+    }
+    if (bfloat16_out) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + row * n + column), to_bfloat16(y));
+    } else {
+      _mm512_storeu_ps(static_cast<float*>(out) + row * n + column, y);
+    }
+  }
+};
+
+// xq: (M, K) int8, sums: (M, K / 32) from group_sums, packed: (N / 16, K / 32, 288): every row's
+// 16-column blocks, stored through the epilogue. Up to 8 rows share one read of the weights.
+void run_kernel(const int8_t* xq, const int32_t* sums, int64_t rows, int64_t k, const uint8_t* packed,
+                int64_t column_blocks, const Epilogue& epilogue) {
+  const int64_t groups = k / kGroup;
   at::parallel_for(0, column_blocks, 1, [&](int64_t begin, int64_t end) {
     __m512i totals[kRowsPerPass];
     for (int64_t cb = begin; cb < end; ++cb) {
-      const __m512 s = _mm512_loadu_ps(scale_ptr + cb * kCols);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         const int64_t count = std::min<int64_t>(kRowsPerPass, rows - r0);
-        kBlockFunctions[count - 1](w_ptr + cb * groups * kBlockBytes, groups, x_ptr + r0 * k, k,
-                                   sums_ptr + r0 * groups, totals);
-        for (int64_t r = 0; r < count; ++r) {
-          _mm512_storeu_ps(y_ptr + (r0 + r) * n + cb * kCols, _mm512_mul_ps(_mm512_cvtepi32_ps(totals[r]), s));
-        }
+        kBlockFunctions[count - 1](packed + cb * groups * kBlockBytes, groups, xq + r0 * k, k, sums + r0 * groups,
+                                   totals);
+        for (int64_t r = 0; r < count; ++r) epilogue.store(r0 + r, cb * kCols, totals[r]);
       }
     }
   });
+}
+
+void check_weights(const at::Tensor& packed, const at::Tensor& weight_scale, int64_t k) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockBytes && packed.scalar_type() == at::kByte,
+              "w4a8: packed weights must be (N/16, K/32, 288) uint8");
+  TORCH_CHECK(k == packed.size(1) * kGroup, "w4a8: the activations have ", k, " inputs, the weights ",
+              packed.size(1) * kGroup);
+  TORCH_CHECK(weight_scale.numel() == packed.size(0) * kCols && weight_scale.scalar_type() == at::kFloat,
+              "w4a8: weight_scale must be (N,) float32");
+}
+
+// xq: (M, K) int8, the activations already quantized; packed: (N / 16, K / 32, 288) uint8;
+// weight_scale: (N,) float32. Returns (M, N) float32: float(A) * weight_scale, as oneDNN gives it.
+at::Tensor w4a8_matmul(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& weight_scale) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar, "w4a8_matmul: xq must be (M, K) int8");
+  check_weights(packed, weight_scale, xq.size(1));
+  const int64_t rows = xq.size(0), k = xq.size(1), n = packed.size(0) * kCols;
+  const at::Tensor x = xq.contiguous(), w = packed.contiguous(), scale = weight_scale.contiguous();
+  std::vector<int32_t> sums(rows * (k / kGroup));
+  group_sums(x.data_ptr<int8_t>(), rows, k / kGroup, sums.data());
+  at::Tensor y = at::empty({rows, n}, xq.options().dtype(at::kFloat));
+  Epilogue epilogue{scale.data_ptr<float>()};
+  epilogue.out = y.data_ptr<float>();
+  epilogue.n = n;
+  run_kernel(x.data_ptr<int8_t>(), sums.data(), rows, k, w.data_ptr<uint8_t>(), packed.size(0), epilogue);
   return y;
 }
 
+// One row of activations -> int8 codes (or uint8 codes + 128) and its scale, amax / 127.
+template <typename scalar_t, typename code_t>
+float quantize_row_of_activations(const scalar_t* x, int64_t k, code_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float scale = std::max(amax, 1e-12f) / 127.f;
+  const float shift = std::is_same<code_t, uint8_t>::value ? 128.f : 0.f;
+  for (int64_t i = 0; i < k; ++i) {
+    const float code = std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) / scale)));
+    q[i] = static_cast<code_t>(code + shift);
+  }
+  return scale;
+}
+
 // Per row: int8 values (or uint8 values + 128) and one float scale, amax / 127. Every w4a8 pass,
-// one row or many, quantizes its activations here, so a row gets the same integers either way.
+// one row or many, quantizes its activations this way, so a row gets the same integers either way.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, bool unsigned_values) {
   TORCH_CHECK(x.dim() == 2, "w4a8: activations must be (M, K)");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0), k = xf.size(1);
-  at::Tensor q = at::empty({rows, k}, xf.options().dtype(unsigned_values ? at::kByte : at::kChar));
-  at::Tensor row_scale = at::empty({rows, 1}, xf.options());
-  const float* x_ptr = xf.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  at::Tensor q = at::empty({rows, k}, xc.options().dtype(unsigned_values ? at::kByte : at::kChar));
+  at::Tensor row_scale = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
   float* scale_ptr = row_scale.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x_ptr + r * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xr[i]));
-    const float scale = std::max(amax, 1e-12f) / 127.f;
-    scale_ptr[r] = scale;
-    const auto code = [scale](float v) { return std::min(127.f, std::max(-127.f, std::nearbyint(v / scale))); };
-    if (unsigned_values) {
-      uint8_t* qr = q.data_ptr<uint8_t>() + r * k;
-      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<uint8_t>(code(xr[i]) + 128.f);
-    } else {
-      int8_t* qr = q.data_ptr<int8_t>() + r * k;
-      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<int8_t>(code(xr[i]));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "w4a8_quantize_rows", [&] {
+    const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      scale_ptr[r] = unsigned_values ? quantize_row_of_activations(x_ptr + r * k, k, q.data_ptr<uint8_t>() + r * k)
+                                     : quantize_row_of_activations(x_ptr + r * k, k, q.data_ptr<int8_t>() + r * k);
     }
-  }
+  });
   return {q, row_scale};
 }
 
@@ -172,13 +223,37 @@ at::Tensor finish(const at::Tensor& y, const at::Tensor& row_scale, const c10::o
   return out.to(dtype);
 }
 
-// One w4a8 linear over the 4-bit codes: x (M, K) -> (M, N) in x's dtype. Passes with more rows
-// than this kernel wins on go to oneDNN (see verispec.models.linear) through the same quantize_rows
-// and finish, so a row gets the same bits either way.
+// One w4a8 linear over the 4-bit codes: x (M, K) -> (M, N) in x's dtype, in one call: activations
+// quantized as quantize_rows does, the kernel, and finish()'s arithmetic in the kernel's stores.
+// Passes with more rows than the kernel wins on go to oneDNN (see verispec.models.linear) through
+// quantize_rows and finish, so a row gets the same bits either way.
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
                        const c10::optional<at::Tensor>& bias) {
-  auto [q, row_scale] = quantize_rows(x, false);
-  return finish(w4a8_matmul(q, packed, weight_scale), row_scale, bias, x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "w4a8: activations must be (M, K)");
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool fused = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (!fused || (has_bias && bias->scalar_type() != at::kFloat)) {
+    auto [q, row_scale] = quantize_rows(x, false);
+    return finish(w4a8_matmul(q, packed, weight_scale), row_scale, bias, x.scalar_type());
+  }
+  check_weights(packed, weight_scale, x.size(1));
+  const at::Tensor xc = x.contiguous(), w = packed.contiguous(), scale = weight_scale.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), groups = k / kGroup, n = packed.size(0) * kCols;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> row_scale(rows);
+  std::vector<int32_t> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    row_scale[r] = x.scalar_type() == at::kFloat
+                       ? quantize_row_of_activations(xc.data_ptr<float>() + r * k, k, xq.data() + r * k)
+                       : quantize_row_of_activations(xc.data_ptr<at::BFloat16>() + r * k, k, xq.data() + r * k);
+  }
+  group_sums(xq.data(), rows, groups, sums.data());
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  at::Tensor bias_values = has_bias ? bias->contiguous() : at::Tensor();
+  Epilogue epilogue{scale.data_ptr<float>(), row_scale.data(), has_bias ? bias_values.data_ptr<float>() : nullptr,
+                    x.scalar_type() == at::kBFloat16, out.data_ptr(), n};
+  run_kernel(xq.data(), sums.data(), rows, k, w.data_ptr<uint8_t>(), packed.size(0), epilogue);
+  return out;
 }
 
 constexpr float kRowLevels = 120.f;  // a row's largest |w| is 120 int8 steps: 15 steps of m = 16 span the row
