@@ -136,6 +136,31 @@ fast_w4a8() {  # the opt-in w4a8 target next to the default (w8a8) and llama.cpp
     fi
 }
 
+fast_kernels() {  # the default target (auto) against llama.cpp at 1, 4 and 16 clients, after the kernel work.
+    # Needs llama.cpp from `make peers`. One target forward per format first, then served runs, then llama-bench.
+    local out=benchmarks/fast-kernels
+    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out $out/forward-cost
+    local P=benchmarks/peers
+    local S="--threads 2 --max-batch-size 16 --max-context 2048"
+    local L="--limit 16 --concurrency 1,4,16 --requests 4,8,16 --max-tokens 128"
+    $V bench-serve \
+        --server verispec-plain=http://127.0.0.1:8501/v1 --start "verispec-plain=$V serve --drafter none --port 8501 $S" \
+        --server verispec-draft=http://127.0.0.1:8502/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8502 $S" \
+        --server llama.cpp-plain=http://127.0.0.1:8504/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8504" \
+        --server llama.cpp-draft=http://127.0.0.1:8505/v1 --start "llama.cpp-draft=SLOTS=16 $P/serve_llama_cpp.sh draft 8505 4" \
+        --workload humaneval $L --out $out/humaneval || true
+    $V bench-serve \
+        --server verispec-plain=http://127.0.0.1:8501/v1 --start "verispec-plain=$V serve --drafter none --port 8501 $S" \
+        --server verispec-suffix=http://127.0.0.1:8503/v1 --start "verispec-suffix=$V serve --drafter suffix-index --port 8503 $S" \
+        --server llama.cpp-plain=http://127.0.0.1:8504/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8504" \
+        --workload code-edit $L --out $out/code-edit || true
+    local target_gguf
+    read -r _ target_gguf _ < <($V models --paths qwen2.5-coder-1.5b-instruct)
+    if [ -x $P/.llama.cpp/bin/llama-bench ]; then  # llama.cpp's own plain figures, same session
+        $P/.llama.cpp/bin/llama-bench -m "$target_gguf" -t 2 -p 512 -n 128 -r 3 -o md > $out/llama-bench.md
+    fi
+}
+
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve peers)
 for section in "${sections[@]}"; do

@@ -38,6 +38,20 @@ def test_speculates_long_when_drafts_are_right_and_cheap():
     assert sum(chosen[-20:]) / 20 >= 6
 
 
+def test_positions_never_reached_borrow_the_acceptance_seen_before_them():
+    """Drafts of 2 that always pass: deeper positions are judged by that, not by the prior."""
+    controller = AdaptiveController(ControllerSettings(k_max=6, prior_acceptance=0.3))
+    for _ in range(20):
+        controller.observe("draft-model", 2, 2, 0.02, 3, 0.11)
+    controller.observe("draft-model", 0, 0, 0.0, 1, 0.1)
+    assert controller._source("draft-model").acceptance()[2:] == [pytest.approx(controller._source("draft-model").alpha[1])] * 4
+    assert controller.choose_k() == 6  # 1 + 6 tokens for 0.06 + ~0.15 s beats 3 for 0.13 s
+    for _ in range(20):  # once reached, a position's own record counts
+        controller.observe("draft-model", 6, 2, 0.06, 7, 0.15)
+    assert controller._source("draft-model").acceptance()[2] < 0.1
+    assert controller.choose_k() == 2
+
+
 def test_stops_speculating_when_drafts_never_pass_but_keeps_probing():
     controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=8))
     chosen = run_steps(controller, 80, 0.0, 0.05, lambda n: 0.2 + 0.005 * n)

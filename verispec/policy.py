@@ -5,7 +5,8 @@ verify pass cost, and both sides differ by machine, model pair and workload. So 
 measures them online, on this machine, during the request:
 
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
-  positions before it were; an exponential moving average over recent steps.
+  positions before it were; an exponential moving average over recent steps. A position hardly
+  reached yet (deeper than the drafts tried) borrows the estimate of the position before it.
 - draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
   batched draft-model forward; ~0 for lookup), averaged per b and interpolated.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
@@ -36,10 +37,27 @@ class ControllerSettings:
     first_k: int = 4  # k of the very first step, before anything was measured
 
 
+MIN_REACHED = 3  # a draft position reached fewer times than this borrows the acceptance of the one before
+
+
 @dataclass
 class _Averages:
     alpha: list[float]  # (k_max,) acceptance by position, given reached
     draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
+    reached: list[int] = field(default_factory=list)  # (k_max,) steps that reached each position
+
+    def acceptance(self) -> list[float]:
+        """alpha, with each position that has hardly been reached taking the estimate of the one before.
+
+        A position beyond every k tried so far has only the prior; were it kept, a drafter whose
+        first drafts almost always pass would still look worse at depth than it is, and the
+        controller would never draft deep enough to find out.
+        """
+        rates = list(self.alpha)
+        for i in range(1, len(rates)):
+            if i >= len(self.reached) or self.reached[i] < MIN_REACHED:
+                rates[i] = rates[i - 1]
+        return rates
 
 
 @dataclass
@@ -54,7 +72,8 @@ class AdaptiveController:
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
-            self.sources[name] = _Averages([self.settings.prior_acceptance] * self.settings.k_max)
+            k_max = self.settings.k_max
+            self.sources[name] = _Averages([self.settings.prior_acceptance] * k_max, reached=[0] * k_max)
         return self.sources[name]
 
     def _verify_seconds(self, tokens: int) -> float | None:
@@ -68,8 +87,9 @@ class AdaptiveController:
         if verify is None or draft is None:
             return None
         tokens, reach = 1.0, 1.0
+        acceptance = averages.acceptance()
         for i in range(k):
-            reach *= averages.alpha[i]
+            reach *= acceptance[i]
             tokens += reach
         return tokens / (draft * k + verify)
 
@@ -104,7 +124,7 @@ class AdaptiveController:
         When not (a batch so large that verifying extra tokens costs more than they can bring),
         plain decoding is chosen on cost alone and a probe could only confirm it.
         """
-        perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost)
+        perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost, [MIN_REACHED] * self.settings.k_max)
         plain = self.expected_rate(0, perfect, batch_size)
         rates = [self.expected_rate(k, perfect, batch_size) or 0.0 for k in range(1, self.settings.k_max + 1)]
         return max(rates) > (plain or 0.0)
@@ -133,6 +153,7 @@ class AdaptiveController:
         for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
             hit = 1.0 if position < accepted else 0.0
             averages.alpha[position] = (1 - w) * averages.alpha[position] + w * hit
+            averages.reached[position] += 1
         per_position = draft_seconds / drafted
         previous = averages.draft_cost.get(batch_size)
         averages.draft_cost[batch_size] = per_position if previous is None else (1 - w) * previous + w * per_position

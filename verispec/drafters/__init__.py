@@ -13,7 +13,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models import w4a8
-from verispec.models.linear import FORMATS, measure_formats, w8a8_available
+from verispec.models.linear import FORMATS, measure_formats, w4a8_choice, w8a8_available
 from verispec.models.loading import LoadedModel, build_kernel, load_model, remembered_choice
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
@@ -120,6 +120,8 @@ def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None
         quantize, _, activations = best.partition("-")
     elif quantize == "auto":
         quantize = "none"
+    if quantize == "w4a8":  # the activation kind of its prefill passes (oneDNN), as for a target
+        activations = w4a8_choice(draft.model.dtype).activations
     if quantize != "none":
         draft.model.quantize(quantize, activations or "s8")
     draft.model.invariant_attention = False  # a draft needs speed, not batch invariance
