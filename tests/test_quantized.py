@@ -32,19 +32,21 @@ def one_at_a_time(model, prefix: list[int], new: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("weight_format", FAST_FORMATS)
 @pytest.mark.parametrize("activations", ["s8", "u8"])
-def test_linear_rows_do_not_depend_on_the_other_rows(weight_format, activations):
-    """w4a8's one-row kernel and oneDNN's multi-row matmul give a row the same bits."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_rows_do_not_depend_on_the_other_rows(weight_format, activations, dtype):
+    """w4a8's kernel (up to 8 rows, finish fused in) and oneDNN's multi-row matmul give a row the same bits."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 256, generator=generator)
-    x = torch.randn(16, 256, generator=generator).to(torch.bfloat16)
-    linear = Linear(weight.to(torch.bfloat16), torch.randn(96, generator=generator).to(torch.bfloat16))
+    x = torch.randn(16, 256, generator=generator).to(dtype)
+    linear = Linear(weight.to(dtype), torch.randn(96, generator=generator).to(dtype))
     linear.quantize(weight_format, activations)
     assert linear.format == weight_format
     full = linear(x)  # (16, 96)
-    for n in (1, 2, 3, 8, 15):
+    assert full.dtype == dtype
+    for n in (1, 2, 3, 5, 8, 9, 15):
         assert torch.equal(linear(x[:n]), full[:n])
         assert torch.equal(linear(x[n - 1 : n]), full[n - 1 : n])
-    reference = x.float() @ weight.to(torch.bfloat16).float().T + linear.bias.float()
+    reference = x.float() @ weight.to(dtype).float().T + linear.bias.float()
     error = (full.float() - reference).norm() / reference.norm()
     assert error < {"w8a8": 0.02, "w4a8": 0.12}[weight_format], f"{weight_format} relative error {error:.4f}"
 

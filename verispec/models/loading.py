@@ -241,6 +241,9 @@ def _progress_bar(total: int, description: str, enabled: bool, unit: str = "B"):
 
 
 class _NullBar(contextlib.nullcontext):
+    def __enter__(self) -> "_NullBar":
+        return self
+
     def update(self, n: int) -> None:
         pass
 

@@ -46,8 +46,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 # torch's CPU attention in bfloat16 costs ~9x its float32 one for one query (573 against 65 us for 12
-# heads over 520 keys, AMD EPYC, 2 threads), so batched torch attention runs in float32, which is also
-# the more exact; the one-query-at-a-time attention of batch-invariant targets has its own kernel.
+# heads over 520 keys, AMD EPYC, 2 threads), so torch attention runs in float32, which is also the more
+# exact. Passes of a few tokens attend one query at a time in verispec's kernel where it runs (23 us).
 ATTENTION_DTYPE = torch.float32
 INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs (prompt prefill) take one masked attention call
 
@@ -69,9 +69,15 @@ def _visible_slots(plan: WritePlan, mask: torch.Tensor | None) -> list[list[int 
     return rows
 
 
+def attention_kernel_runs(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether verispec's attention kernel (kernels/attention.cpp) takes these heads here."""
+    supported = head_dim % 16 == 0 and head_dim <= 256 and dtype in (torch.float32, torch.bfloat16)
+    return supported and attention_kernel_available()
+
+
 @functools.cache
 def attention_kernel_available() -> bool:
-    """Whether verispec's attention kernel (kernels/attention.cpp, built with the w4a8 kernel) runs here.
+    """Whether verispec's attention kernel, built with the w4a8 kernel, runs here.
 
     Asked once per process, so every forward of a process attends the same way.
     """
@@ -95,7 +101,7 @@ def _attention_per_row(
     verispec's attention kernel does all queries of a pass in one call, each alone; without it,
     one float32 torch call per query.
     """
-    if attention_kernel_available():
+    if attention_kernel_runs(q.shape[-1], q.dtype):
         return _attention_kernel(q, keys, values, row_keys)
     q, keys, values = (t.float() for t in (q, keys, values))  # see ATTENTION_DTYPE
     if len(row_keys) == 1 and len(row_keys[0]) == 1 and _sees_all(row_keys[0][0], keys):
@@ -336,7 +342,7 @@ class Transformer:
         cos, sin = self._rope(plan, positions)  # (B or 1, T, 1, D) each
         # One query at a time: what batch invariance needs, and where the kernel runs, the fastest way for
         # any model to attend over a few new tokens (a tree of a model that need not be invariant takes one masked call).
-        per_query = self.batch_invariant or (tree_mask is None and attention_kernel_available())
+        per_query = self.batch_invariant or (tree_mask is None and attention_kernel_runs(c.head_dim, self.dtype))
         per_query = per_query and num_new <= INVARIANT_ATTENTION_MAX_ROWS
         mask = None  # (B, 1, T, S): batched attention, and the visible slots of a tree
         if tree_mask is not None or not per_query:

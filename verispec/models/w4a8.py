@@ -5,7 +5,8 @@ multiplier m in 1..16 and an integer offset o per group g of 32 inputs (an asymm
 llama.cpp's Q4_1), times a float scale per output row: the int8 weights of w8a8, restricted to
 values a 4-bit code can name. Activations are int8 with one scale per row, as in w8a8. Passes of
 up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft step) run verispec's kernel
-over the 4-bit codes, multipliers and offsets, about half the bytes of int8; longer passes
+over the 4-bit codes, multipliers and offsets, about half the bytes of int8, read once for all
+the rows, with activation quantization and the float finish in the same call; longer passes
 (prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact integer sums
 and then the same float roundings, so a row gets the same bits whichever path and whatever other
 rows run with it (batch-invariant).
@@ -15,7 +16,8 @@ torch's int4 kernel takes bfloat16 activations, its `_dyn_quant_matmul_4bit` is 
 reference on x86, torchao's wheel carries no CPU kernels, onnxruntime's grows with the row count.
 So verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
-verispec cache.
+verispec cache. The same extension holds the one-query-at-a-time attention kernel
+(kernels/attention.cpp, see verispec.models.transformer).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ COLUMNS = 16  # output columns per packed block
 KERNEL_MAX_ROWS = 8
 # One extension holds the w4a8 kernel and the attention kernel of batch-invariant targets (see transformer).
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("kernels") / "bfloat16.h"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -fopenmp: at::parallel_for then runs on torch's threads (without it, on one); no FMA contraction.
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -70,7 +73,7 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    recipe = b"".join(source.read_bytes() for source in SOURCES) + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
+    recipe = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
     digest = hashlib.sha256(recipe).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include "bfloat16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -25,18 +27,10 @@
 namespace {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bfloat16 -> float32 is exact: the bits move up 16
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+inline __m512 load16(const at::BFloat16* p) { return from_bfloat16(p); }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as c10::BFloat16(float) does
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+inline void store16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16(v)); }
 
 // exp(x) for x <= 0 (scores minus their max): Cephes' single-precision polynomial, 2^n by scalef.
 inline __m512 exp_nonpositive(__m512 x) {

@@ -22,6 +22,8 @@
 
 #include <immintrin.h>
 
+#include "bfloat16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -102,15 +104,6 @@ void group_sums(const int8_t* xq, int64_t rows, int64_t groups, int32_t* sums) {
     for (int i = 0; i < kGroup; ++i) sum += xg[i];
     sums[rg] = sum * 65536 + ((-8 * sum) & 0xFFFF);
   }
-}
-
-// float32 -> bfloat16 bits, rounding to nearest even: what c10::BFloat16(float) and aten's .to() do
-// for every value a linear layer produces (NaN aside), 16 lanes at a time.
-inline __m256i to_bfloat16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 // What to do with a column block's 16 exact sums A of one row: y = float(A) * weight_scale, and for
