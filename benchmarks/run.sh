@@ -137,9 +137,10 @@ fast_w4a8() {  # the opt-in w4a8 target next to the default (w8a8) and llama.cpp
 }
 
 fast_kernels() {  # the default target (auto) against llama.cpp at 1, 4 and 16 clients, after the kernel work.
-    # Needs llama.cpp from `make peers`. One target forward per format first, then served runs, then llama-bench.
+    # Needs llama.cpp from `make peers`. One target forward per format first (SKIP_FORWARD_COST=1 keeps the
+    # last table), then served runs, then llama-bench.
     local out=benchmarks/fast-kernels
-    .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out $out/forward-cost
+    [ "${SKIP_FORWARD_COST:-0}" = 1 ] || .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out $out/forward-cost
     local P=benchmarks/peers
     local S="--threads 2 --max-batch-size 16 --max-context 2048"
     local L="--limit 16 --concurrency 1,4,16 --requests 4,8,16 --max-tokens 128"

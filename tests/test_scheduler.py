@@ -259,3 +259,45 @@ def test_negative_control_accept_all_in_the_batch_fails(target, draft, repeating
     law = exact_two_token_law(target, prompt_ids, sampling)
     runs = 1500
     assert not law_matches(batched_two_token_counts(target, draft, prompt_ids, sampling, runs, 3), law, runs)
+
+
+def test_the_model_thread_loads_the_models_and_runs_every_step(target):
+    """start_in_model_thread: build() and every decoding step in one thread, not the caller's."""
+    import threading
+
+    from verispec.serving.scheduler import start_in_model_thread
+
+    seen: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def build() -> Scheduler:
+        seen["build"].add(threading.get_ident())
+        scheduler = Scheduler(target, limits=SchedulerLimits(max_batch_size=2, max_context=128))
+        step = scheduler._step
+
+        def recorded_step() -> None:
+            seen["step"].add(threading.get_ident())
+            step()
+
+        scheduler._step = recorded_step
+        return scheduler
+
+    scheduler = start_in_model_thread(build)
+    try:
+        assert scheduler.healthy
+        events = list(scheduler.submit(target.encode("def add("), GenerationConfig(max_new_tokens=5)).iter_events())
+    finally:
+        scheduler.stop()
+    assert sum(len(e.token_ids) for e in events) == 5
+    assert len(seen["build"]) == 1 and seen["step"] == seen["build"]
+    assert threading.get_ident() not in seen["step"]
+    assert not scheduler.healthy  # stopped: the model thread has ended
+
+
+def test_a_failed_load_in_the_model_thread_is_raised_to_the_caller():
+    from verispec.serving.scheduler import start_in_model_thread
+
+    def build() -> Scheduler:
+        raise FileNotFoundError("model 'nope' is neither a catalog name nor an existing file or directory")
+
+    with pytest.raises(FileNotFoundError, match="nope"):
+        start_in_model_thread(build)

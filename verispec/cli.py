@@ -253,19 +253,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from verispec.serving.app import create_app
     from verispec.serving.metrics import ServerMetrics
-    from verispec.serving.scheduler import SchedulerLimits, build_scheduler
+    from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     sock = _listen(args.host, args.port)
     drafter = "none" if args.drafter == "draft-model" and args.draft.lower() == "none" else args.drafter
     metrics = ServerMetrics()
     limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context)
-    try:
-        scheduler = build_scheduler(
+    try:  # the models are loaded and run in one thread of their own (see start_in_model_thread)
+        scheduler = start_in_model_thread(lambda: build_scheduler(
             args.target, args.draft if drafter == "draft-model" else None, drafter, args.dtype, args.draft_quantize,
             args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
-        )
+        ), args.threads)
     except BaseException:
         sock.close()
         raise
@@ -278,7 +276,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"context {scheduler.limits.max_context}) on http://{args.host}:{sock.getsockname()[1]}/v1",
         file=sys.stderr,
     )
-    scheduler.start()
     try:
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
