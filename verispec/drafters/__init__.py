@@ -99,7 +99,7 @@ def make_drafter(
 def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None:
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
-    build_kernel(quantize, draft.model.dtype, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
+    build_kernel(quantize, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
     activations = "s8"
     if quantize == "w8a8" or (quantize == "auto" and draft.model.dtype == torch.bfloat16):
         candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()

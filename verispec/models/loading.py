@@ -309,7 +309,7 @@ def load_model(
     server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
-    build_kernel(quantize, torch_dtype, progress)
+    build_kernel(quantize, progress)
     choice = resolve_format(quantize, torch_dtype)
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
@@ -369,14 +369,14 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
     return FormatChoice(kept["format"], kept["activations"], kept["seconds"])
 
 
-def build_kernel(quantize: str, dtype: torch.dtype, progress: bool) -> None:
-    """Build verispec's kernels now, with a progress line, when the format may use them and they are not built yet.
+def build_kernel(quantize: str, progress: bool) -> None:
+    """Build verispec's kernels now, with a progress line, when they can run here and are not built yet.
 
-    `auto` (target or draft) times w4a8 among the other formats when it can run; w4a8 and w8a8 targets
-    attend with the attention kernel built beside it (verispec.models.transformer).
+    `auto` (target or draft) times w4a8 among the other formats; every model attends over the few
+    tokens of a step with the attention kernel built beside it (verispec.models.transformer), which
+    would otherwise be built, silently, at the first forward. Only `--quantize w4a8` needs them.
     """
-    wanted = quantize in ("w4a8", "w8a8") or (quantize == "auto" and dtype == torch.bfloat16)
-    if not wanted or w4a8.unavailable_reason() is not None or w4a8.is_built():
+    if w4a8.unavailable_reason() is not None or w4a8.is_built():
         return
     with _progress_bar(1, "building verispec's kernels (once per machine)", progress, unit="kernel") as bar:
         try:
