@@ -10,7 +10,8 @@ Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`)
   w4a8  int8 weights that are 4-bit codes times an integer plus an integer, per 32 inputs, times int8 activations:
         passes of up to 8 rows read the 4-bit codes with verispec's AVX-512 VNNI kernel
         (verispec.models.w4a8, built on first use), about half w8a8's bytes; longer passes run
-        oneDNN on the int8 values. Same integers either way: batch-invariant like w8a8.
+        oneDNN on an int8 copy, or the kernel too where it is as fast (W4A8_LONG_PASSES). Same
+        integers either way: batch-invariant like w8a8.
   int8  weight-only int8 (`_weight_int8pack_mm`): fast for one row, slower than dense past 4 rows.
   int4  weight-only int4, groups of 32 inputs (`_weight_int4pack_mm_for_cpu`): idem.
 The weight-only formats keep a dense copy for prefill (many rows), so they serve drafters best.
@@ -31,6 +32,9 @@ QUANTIZE_CHOICES = ("auto", *FORMATS)  # what `--quantize` takes
 INT4_GROUP_SIZE = 32  # inputs sharing one int4 scale and zero
 QUANTIZED_MAX_ROWS = 4  # above this many rows (prefill), dense beats the weight-only kernels
 W8A8_ACTIVATIONS = ("s8", "u8")  # signed int8 (AMX) or unsigned with zero point 128 (VNNI); chosen by measuring
+# How w4a8 runs passes longer than w4a8.KERNEL_MAX_ROWS (prefill): oneDNN on an int8 copy of the weights
+# with either activation kind, or the 4-bit kernel itself, keeping no int8 copy (about 60% of the memory).
+W4A8_LONG_PASSES = (*W8A8_ACTIVATIONS, "kernel")
 
 
 def w8a8_available() -> bool:
@@ -55,7 +59,7 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.scales: torch.Tensor | None = None  # int8: (out,); int4: (in/G, out, 2) scales and zeros; w8a8: (out,) f32
         self.dense: torch.Tensor | None = weight  # (out, in) kept by weight-only formats for many-row inputs
-        self.activations = "s8"  # w8a8: how activations are stored (see W8A8_ACTIVATIONS)
+        self.activations = "s8"  # w8a8: how activations are stored (W8A8_ACTIVATIONS); w4a8: W4A8_LONG_PASSES
         self._zero_points: torch.Tensor | None = None  # w8a8: (out,) zeros, oneDNN's per-channel weight zero points
         self.packed: torch.Tensor | None = None  # w4a8: (out/16, in/32, 288) 4-bit codes, group multipliers and offsets
 
@@ -89,12 +93,19 @@ class Linear:
         self.format = "w8a8"
 
     def _quantize_w4a8(self, activations: str) -> None:
+        if activations not in W4A8_LONG_PASSES:
+            raise ValueError(f"w4a8 long passes {activations!r} are not one of {', '.join(W4A8_LONG_PASSES)}")
         if not w4a8.supports_shape(self.out_features, self.in_features):
-            self._quantize_w8a8(activations)  # the 4-bit kernel's blocks do not tile it; int8 is as exact
+            # The 4-bit kernel's blocks do not tile it; int8 is as exact (u8 runs on every int8 kernel).
+            self._quantize_w8a8("u8" if activations == "kernel" else activations)
             return
         w4a8.load_kernel()
         int8, scales, self.packed = w4a8.quantize(self.weight)  # packed: what passes of few rows read
-        self._use_int8(int8, scales, activations)
+        if activations == "kernel":  # every pass reads the 4-bit codes: the int8 copy is not kept
+            self.weight, self.scales, self.dense, self.activations = None, scales, None, activations
+            self.bias = None if self.bias is None else self.bias.float()
+        else:
+            self._use_int8(int8, scales, activations)
         self.format = "w4a8"
 
     def _use_int8(self, q: torch.Tensor, scales: torch.Tensor, activations: str) -> None:
@@ -152,7 +163,7 @@ class Linear:
         """(N, in) -> (N, out) in flat's dtype. Up to w4a8.KERNEL_MAX_ROWS rows run the 4-bit kernel, more
         run oneDNN on the int8 weights; both quantize activations and finish (row scales, bias, dtype)
         in the same C++, so a row gets the same bits either way."""
-        if flat.shape[0] <= w4a8.KERNEL_MAX_ROWS:
+        if flat.shape[0] <= w4a8.KERNEL_MAX_ROWS or self.activations == "kernel":
             return torch.ops.verispec.w4a8_linear(flat, self.packed, self.scales, self.bias)
         q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
         return torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
@@ -186,6 +197,9 @@ class FormatChoice:
 BATCH_INVARIANT_FORMATS = ("w4a8", "w8a8")  # each row's result ignores the other rows of a call
 
 
+HOPELESS = 10.0  # a candidate whose one-row call takes this many times the best one's is not timed further
+
+
 def _time_call(function, repeats: int = 7) -> float:
     function()  # warm-up: first calls allocate and pick kernels
     times = []
@@ -198,25 +212,37 @@ def _time_call(function, repeats: int = 7) -> float:
 
 def measure_formats(
     candidates: tuple[str, ...], dtype: torch.dtype, in_features: int = 1536, out_features: int = 4096,
-    rows: tuple[int, ...] = (1, 8), copies: int = 1,
+    rows: tuple[int, ...] = (1, 8), copies: int = 1, screen_rows: int = 1,
 ) -> dict[str, float]:
     """Median seconds of `copies` random in -> out linears called in turn, summed over `rows` (one
     token; a verify pass), per candidate.
 
     Several copies make the weights come from memory rather than cache, as a whole forward's do:
-    what separates formats of different sizes. Candidates are FORMATS or "w8a8-s8" / "w8a8-u8";
+    what separates formats of different sizes. Each candidate is first called once on `screen_rows`
+    rows; one that takes HOPELESS times the fastest is not timed further (that call, scaled to the
+    rows, stands for it). Candidates are FORMATS or "w8a8-s8" / "w8a8-u8";
     one that fails to run on this CPU is left out.
     """
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype) for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=generator).to(dtype) for n in rows]
-    seconds = {}
+    screen = torch.randn(screen_rows, in_features, generator=generator).to(dtype)
+    seconds, screened = {}, {}  # screened: one warm call of every candidate on `screen`
     for candidate in candidates:
         weight_format, _, activations = candidate.partition("-")
         linears = [Linear(weight.clone()) for weight in weights]
         try:
             for linear in linears:
                 linear.quantize(weight_format, activations or "s8")
+            [linear(screen[:1]) for linear in linears]  # warm-up, at one row: cheap on every path
+            started = time.perf_counter()
+            [linear(screen) for linear in linears]
+            screened[candidate] = time.perf_counter() - started
+            if screened[candidate] > HOPELESS * min(screened.values()):
+                # A reference path (oneDNN's signed int8 without AMX: seconds per call): its cost is
+                # estimated from the screening call rather than timed at every row count.
+                seconds[candidate] = screened[candidate] * sum(rows) / screen_rows
+                continue
             seconds[candidate] = sum(_time_call(lambda x=x: [linear(x) for linear in linears]) for x in inputs)
         except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
             continue
@@ -263,16 +289,28 @@ def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
     return FormatChoice(weight_format, activations or "s8", seconds)
 
 
+W4A8_LONG_PASS_ROWS = 128  # a prompt chunk: how the long-pass candidates are timed
+KERNEL_MEMORY_PREFERENCE = 1.1  # the 4-bit kernel for long passes, unless oneDNN is more than 10% faster
+
+
 def w4a8_choice(dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
-    """w4a8 with the faster activation kind: it matters only where oneDNN runs (passes longer than the
-    kernel's, i.e. prefill), so it is timed there, once per machine (oneDNN's signed int8 path is a
-    slow reference one on CPUs without AMX: 0.83 s against 0.2 ms for u8 on an AMD EPYC); the outputs
-    are the same integers either way."""
+    """w4a8 with the fastest way to run long passes (prefill), timed there once per machine.
+
+    oneDNN on an int8 copy with signed or unsigned activations (its signed path is a slow reference
+    one on CPUs without AMX: 0.83 s against 0.2 ms for u8 on an AMD EPYC), or the 4-bit kernel for
+    every pass, which keeps no int8 copy and wins ties: it needs ~60% of the memory. Every choice
+    computes the same integers, so the outputs are the same.
+    """
     from verispec.models.loading import remembered_choice  # (loading imports this module)
 
     def measure() -> dict:
-        kinds = measure_formats(("w4a8-s8", "w4a8-u8"), dtype, rows=(2 * w4a8.KERNEL_MAX_ROWS,))
-        return {"activations": min(kinds, key=kinds.get).partition("-")[2], "seconds": kinds}
+        candidates = tuple(f"w4a8-{kind}" for kind in reversed(W4A8_LONG_PASSES))  # the likely fastest first
+        timed = measure_formats(  # screened on the shortest pass oneDNN runs
+            candidates, dtype, rows=(W4A8_LONG_PASS_ROWS,), copies=2, screen_rows=w4a8.KERNEL_MAX_ROWS + 1
+        )
+        weighed = {c: t / (KERNEL_MEMORY_PREFERENCE if c == "w4a8-kernel" else 1.0) for c, t in timed.items()}
+        return {"activations": min(weighed, key=weighed.get).partition("-")[2], "seconds": timed}
 
-    kept = remembered_choice(f"w4a8 activations {str(dtype).removeprefix('torch.')}", measure)
+    kind = f"w4a8 long passes {str(dtype).removeprefix('torch.')} among {','.join(W4A8_LONG_PASSES)}"
+    kept = remembered_choice(kind, measure)
     return FormatChoice("w4a8", kept["activations"], {**(seconds or {}), **kept["seconds"]})

@@ -25,7 +25,9 @@ from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_
 from verispec.models.config import ModelConfig
 from verispec.models.cpu import cpu_flags
 from verispec.models import w4a8
-from verispec.models.linear import AUTO_CANDIDATES, BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
+from verispec.models.linear import (
+    AUTO_CANDIDATES, BATCH_INVARIANT_FORMATS, W4A8_LONG_PASSES, FormatChoice, choose_format,
+)
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -364,7 +366,10 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
         choice = choose_format("auto", dtype)
         return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
 
-    kind = f"target auto {str(dtype).removeprefix('torch.')} among {','.join(AUTO_CANDIDATES)}"
+    kind = (
+        f"target auto {str(dtype).removeprefix('torch.')} among {','.join(AUTO_CANDIDATES)}"
+        f"; w4a8 long passes among {','.join(W4A8_LONG_PASSES)}"
+    )
     kept = remembered_choice(kind, measure)
     return FormatChoice(kept["format"], kept["activations"], kept["seconds"])
 

@@ -7,7 +7,8 @@ values a 4-bit code can name. Activations are int8 with one scale per row, as in
 up to KERNEL_MAX_ROWS rows (plain decoding, a verify pass, a draft step) run verispec's kernel
 over the 4-bit codes, multipliers and offsets, about half the bytes of int8, read once for all
 the rows, with activation quantization and the float finish in the same call; longer passes
-(prefill) run oneDNN's int8 matmul on the int8 weights. Both compute the same exact integer sums
+(prefill) run oneDNN's int8 matmul on an int8 copy of the weights, or the same kernel where it is
+as fast (timed once per machine; then no int8 copy is kept). Both compute the same exact integer sums
 and then the same float roundings, so a row gets the same bits whichever path and whatever other
 rows run with it (batch-invariant).
 
