@@ -102,10 +102,19 @@ def _attention_per_row(
     one float32 torch call per query.
     """
     if attention_kernel_runs(q.shape[-1], q.dtype):
-        return _attention_kernel(q, keys, values, row_keys)
-    q, keys, values = (t.float() for t in (q, keys, values))  # see ATTENTION_DTYPE
-    if len(row_keys) == 1 and len(row_keys[0]) == 1 and _sees_all(row_keys[0][0], keys):
-        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)  # (1, H, 1, D) plain decoding
+        if all(isinstance(seen, int) for per_token in row_keys for seen in per_token):  # chains: one call
+            return torch.ops.verispec.attend(q, keys, values, torch.tensor(row_keys, dtype=torch.long))  # (B, H, T, D)
+
+        def attend_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.ops.verispec.attend(query, k, v, torch.tensor([[k.shape[2]]]))  # (1, H, 1, D)
+    else:
+        q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
+        if len(row_keys) == 1 and len(row_keys[0]) == 1 and _sees_all(row_keys[0][0], keys):
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)  # (1, H, 1, D) plain decoding
+
+        def attend_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(query, k, v, enable_gqa=True)  # (1, H, 1, D)
+    # A tree node's keys (a subset of slots) are gathered in slot order: the arithmetic of a chain over them.
     rows = []
     for b, per_token in enumerate(row_keys):
         row_q, row_k, row_v = q.narrow(0, b, 1), keys.narrow(0, b, 1), values.narrow(0, b, 1)  # (1, ., ., D)
@@ -115,30 +124,7 @@ def _attention_per_row(
                 k, v = row_k.narrow(2, 0, seen), row_v.narrow(2, 0, seen)  # (1, Hkv, n, D)
             else:
                 k, v = row_k[:, :, seen], row_v[:, :, seen]  # (1, Hkv, n, D)
-            query = row_q.narrow(2, t, 1)  # (1, H, 1, D)
-            tokens.append(F.scaled_dot_product_attention(query, k, v, enable_gqa=True))  # (1, H, 1, D)
-        rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
-    return torch.cat(rows)  # (B, H, T, D)
-
-
-def _attention_kernel(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_keys: list[list[int | torch.Tensor]]
-) -> torch.Tensor:
-    """_attention_per_row through verispec's kernel: chains in one call; a tree node's keys (a subset of
-    slots) gathered in slot order first, which gives it the arithmetic of a chain over those keys."""
-    if all(isinstance(seen, int) for per_token in row_keys for seen in per_token):
-        counts = torch.tensor(row_keys, dtype=torch.long)  # (B, T)
-        return torch.ops.verispec.attend(q, keys, values, counts)  # (B, H, T, D)
-    rows = []
-    for b, per_token in enumerate(row_keys):
-        tokens = []
-        for t, seen in enumerate(per_token):
-            if isinstance(seen, int):
-                k, v = keys[b : b + 1, :, :seen], values[b : b + 1, :, :seen]  # (1, Hkv, n, D)
-            else:
-                k, v = keys[b : b + 1, :, seen], values[b : b + 1, :, seen]  # (1, Hkv, n, D)
-            count = torch.tensor([[k.shape[2]]])  # (1, 1)
-            tokens.append(torch.ops.verispec.attend(q[b : b + 1, :, t : t + 1], k, v, count))  # (1, H, 1, D)
+            tokens.append(attend_one(row_q.narrow(2, t, 1), k, v))  # (1, H, 1, D)
         rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
     return torch.cat(rows)  # (B, H, T, D)
 

@@ -50,9 +50,9 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // One query over n keys and values (rows of `stride` elements, D = 16 * chunks used): out (D,).
-template <typename kv_t, typename out_t>
+template <typename kv_t>
 void attend_one(const kv_t* q, const kv_t* keys, const kv_t* values, int64_t n, int64_t stride, int chunks,
-                float scale, float* scores, out_t* out) {
+                float scale, float* scores, kv_t* out) {
   __m512 query[16];
   for (int c = 0; c < chunks; ++c) query[c] = load16(q + 16 * c);
   float max_score = -INFINITY;

@@ -189,22 +189,28 @@ float quantize_row_of_activations(const scalar_t* x, int64_t k, code_t* q) {
   return scale;
 }
 
-// Per row: int8 values (or uint8 values + 128) and one float scale, amax / 127. Every w4a8 pass,
-// one row or many, quantizes its activations this way, so a row gets the same integers either way.
+// Every row of x (M, K), contiguous, into q (M, K) codes and scales (M,). Every w4a8 pass, one row or
+// many, quantizes its activations here, so a row gets the same integers either way.
+template <typename code_t>
+void quantize_activations(const at::Tensor& x, code_t* q, float* scales) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "w4a8_quantize_rows", [&] {
+    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) scales[r] = quantize_row_of_activations(x_ptr + r * k, k, q + r * k);
+  });
+}
+
+// Per row: int8 values (or uint8 values + 128) and one float scale, amax / 127.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, bool unsigned_values) {
   TORCH_CHECK(x.dim() == 2, "w4a8: activations must be (M, K)");
   const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1);
-  at::Tensor q = at::empty({rows, k}, xc.options().dtype(unsigned_values ? at::kByte : at::kChar));
-  at::Tensor row_scale = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
-  float* scale_ptr = row_scale.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "w4a8_quantize_rows", [&] {
-    const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      scale_ptr[r] = unsigned_values ? quantize_row_of_activations(x_ptr + r * k, k, q.data_ptr<uint8_t>() + r * k)
-                                     : quantize_row_of_activations(x_ptr + r * k, k, q.data_ptr<int8_t>() + r * k);
-    }
-  });
+  at::Tensor q = at::empty(xc.sizes(), xc.options().dtype(unsigned_values ? at::kByte : at::kChar));
+  at::Tensor row_scale = at::empty({xc.size(0), 1}, xc.options().dtype(at::kFloat));
+  if (unsigned_values) {
+    quantize_activations(xc, q.data_ptr<uint8_t>(), row_scale.data_ptr<float>());
+  } else {
+    quantize_activations(xc, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
+  }
   return {q, row_scale};
 }
 
@@ -235,11 +241,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   std::vector<int8_t> xq(rows * k);
   std::vector<float> row_scale(rows);
   std::vector<int32_t> sums(rows * groups);
-  for (int64_t r = 0; r < rows; ++r) {
-    row_scale[r] = x.scalar_type() == at::kFloat
-                       ? quantize_row_of_activations(xc.data_ptr<float>() + r * k, k, xq.data() + r * k)
-                       : quantize_row_of_activations(xc.data_ptr<at::BFloat16>() + r * k, k, xq.data() + r * k);
-  }
+  quantize_activations(xc, xq.data(), row_scale.data());
   group_sums(xq.data(), rows, groups, sums.data());
   at::Tensor out = at::empty({rows, n}, xc.options());
   at::Tensor bias_values = has_bias ? bias->contiguous() : at::Tensor();
