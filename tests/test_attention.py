@@ -10,7 +10,7 @@ from verispec.models import transformer
 from verispec.models.loading import load_model
 
 pytestmark = pytest.mark.skipif(
-    not transformer.attention_kernel_available(), reason="the attention kernel needs AVX-512 and a C++ compiler"
+    not transformer.kernels_available(), reason="the attention kernel needs AVX-512 and a C++ compiler"
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.models import transformer
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
 from verispec.models.transformer import apply_rotary, rms_norm, rotate_half
@@ -155,14 +156,46 @@ def real_like(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Te
     return x.to(dtype)
 
 
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (1, 5, 1536), (3, 7, 1536), (1, 512, 1536), (2, 3, 64)])
-def test_rms_norm_is_the_float32_formula_bit_for_bit(dtype, shape):
+def test_rms_norm_without_the_kernel_is_the_float32_formula_bit_for_bit(dtype, shape, monkeypatch):
+    monkeypatch.setattr(transformer, "norm_kernel_runs", lambda x: False)
     x = real_like(shape, dtype, seed=shape[1])
     weight = (1 + 0.3 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(1))).to(dtype)
-    x32 = x.float()
-    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert torch.equal(rms_norm(x, weight, 1e-6), expected)
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_formula(x, weight, 1e-6))
+
+
+@pytest.mark.skipif(not transformer.kernels_available(), reason="the norm kernel needs AVX-512 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 7, 1536), (1, 512, 1536), (2, 3, 64)])
+def test_the_norm_kernel_is_the_formula_and_gives_a_row_the_same_bits_in_any_batch(dtype, shape):
+    assert transformer.norm_kernel_runs(torch.empty(shape, dtype=dtype))
+    x = real_like(shape, dtype, seed=shape[1])
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(1))).to(dtype)
+    got, expected = rms_norm(x, weight, 1e-6), rms_norm_formula(x, weight, 1e-6)
+    # The sum of squares runs in another order than torch's (1536 terms): float32 results differ in
+    # their last bits, bfloat16 ones by one rounding step (2^-8 relative) and rarely.
+    steps = 64 if dtype == torch.float32 else 2
+    assert ((got.float() - expected.float()).abs() <= steps * torch.finfo(dtype).eps * expected.abs().float()).all()
+    if dtype == torch.bfloat16:
+        assert (got != expected).float().mean() < 0.02
+    flat = x.reshape(-1, shape[-1])
+    for row in (0, flat.shape[0] - 1):
+        assert torch.equal(rms_norm(flat[row : row + 1], weight, 1e-6)[0], got.reshape(-1, shape[-1])[row])
+
+
+def test_the_norm_kernel_refuses_mismatched_shapes_and_dtypes():
+    if not transformer.kernels_available():
+        pytest.skip("the norm kernel needs AVX-512 and a C++ compiler")
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.verispec.rms_norm(torch.ones(2, 20), torch.ones(20), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or both bfloat16"):
+        torch.ops.verispec.rms_norm(torch.ones(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -18,7 +18,7 @@ reference on x86, torchao's wheel carries no CPU kernels, onnxruntime's grows wi
 So verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
 verispec cache. The same extension holds the one-query-at-a-time attention kernel
-(kernels/attention.cpp, see verispec.models.transformer).
+(kernels/attention.cpp) and the RMS norm (kernels/norm.cpp), see verispec.models.transformer.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ COLUMNS = 16  # output columns per packed block
 # whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
 # 2 threads: benchmarks/fast-w4a8/).
 KERNEL_MAX_ROWS = 8
-# One extension holds the w4a8 kernel and the attention kernel of batch-invariant targets (see transformer).
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp")]
+# One extension holds the w4a8 kernel and the attention and norm kernels (see transformer).
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp", "norm.cpp")]
 HEADERS = [Path(__file__).with_name("kernels") / "bfloat16.h"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -fopenmp: at::parallel_for then runs on torch's threads (without it, on one); no FMA contraction.

@@ -1,0 +1,84 @@
+// RMS norm of every row, in one call (AVX-512): what torch.rms_norm plus the weight multiply do in
+// about six aten calls (~40 us for one 1536-wide bfloat16 row on an AMD EPYC, against ~1 us here).
+//
+//   out = weight * dtype(x32 * (1 / sqrt(mean(x32^2) + eps))),  x32 = x in float32
+//
+// Two roundings to the model's dtype, as Qwen2 and Llama apply the weight after casting back. Each
+// row's sum of squares runs 16 lanes at a time in a fixed order, so a row gets the same bits alone
+// or among any others (verispec's batch invariance). x: (M, C) with C a multiple of 16.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "bfloat16.h"
+
+#include <cmath>
+#include <type_traits>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return from_bfloat16(p); }
+
+// v rounded to the storage type and back: the rounding an aten op in that dtype makes.
+inline __m512 round_to(const float*, __m512 v) { return v; }
+inline __m512 round_to(const at::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bfloat16(v)), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16(v)); }
+
+template <typename scalar_t>
+void rms_norm_row(const scalar_t* x, const scalar_t* weight, int64_t c, float eps, scalar_t* out) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < c; i += 16) {
+    const __m512 v = load16(x + i);
+    squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+  }
+  const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(c) + eps);
+  const __m512 factor = _mm512_set1_ps(inverse);
+  for (int64_t i = 0; i < c; i += 16) {
+    const __m512 normed = round_to(x, _mm512_mul_ps(load16(x + i), factor));
+    store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm: x (M, C), weight (C,)");
+  TORCH_CHECK(x.size(1) % 16 == 0, "rms_norm: C must be a multiple of 16");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rms_norm: x and weight must both be float32 or both bfloat16");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = xc.size(0), c = xc.size(1);
+  const auto run = [&](auto* typed) {
+    using scalar_t = std::remove_pointer_t<decltype(typed)>;
+    const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
+    const scalar_t* w_ptr = wc.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {  // a few rows are not worth waking threads
+      for (int64_t r = begin; r < end; ++r) rms_norm_row(x_ptr + r * c, w_ptr, c, static_cast<float>(eps), out_ptr + r * c);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    run(static_cast<at::BFloat16*>(nullptr));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(verispec, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(verispec, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+}
