@@ -3,7 +3,8 @@
 // Every (row b, new token t, head h) is computed alone, over the keys 0 .. counts[b, t] - 1 of its
 // row, in slot order, with the same float operations in the same order whatever else is in the
 // call: a token verified at position p gets the very bits plain decoding gives it at p (verispec's
-// batch invariance), in one call for the whole pass instead of one torch call per token.
+// batch invariance), in one call for the whole pass instead of one torch call per token. The query
+// heads that share a key/value head read its keys and values together (see attend_group).
 //
 //   s_j = (q . k_j) * D^-1/2, float32 sums over D in a fixed order
 //   out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s)
@@ -19,6 +20,7 @@
 
 #include "bfloat16.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -49,38 +51,65 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One query over n keys and values (rows of `stride` elements, D = 16 * chunks used): out (D,).
-template <typename kv_t>
-void attend_one(const kv_t* q, const kv_t* keys, const kv_t* values, int64_t n, int64_t stride, int chunks,
-                float scale, float* scores, kv_t* out) {
-  __m512 query[16];
-  for (int c = 0; c < chunks; ++c) query[c] = load16(q + 16 * c);
-  float max_score = -INFINITY;
+constexpr int kMaxGroup = 16;  // query heads per key/value head (Qwen2.5: 6 or 7; Llama 3: 4)
+
+// The `group` query heads that share one key/value head, each over the same n keys (rows of `stride`
+// elements, D = 16 * chunks): out[h] (D,) for each. Each key and value row is read once for all the
+// heads (the pass was bound by reading them, once per head), and each head's arithmetic is what it
+// would be alone, in the same order:
+//   s_j = sum_c q_c * k_jc (one float32 vector per chunk, added lane-wise, then reduced) * scale,
+//   out = sum_j exp(s_j - max) v_j / sum_j exp(s_j - max).
+// queries: (group, D) float32; scores: (group, stride_scores) float32 scratch.
+template <typename kv_t, typename out_t>
+void attend_group(const float* queries, int group, const kv_t* keys, const kv_t* values, int64_t n, int64_t stride,
+                  int chunks, float scale, float* scores, int64_t stride_scores, out_t* const* out) {
+  const int64_t dim = 16 * chunks;
+  float max_score[kMaxGroup];
+  for (int h = 0; h < group; ++h) max_score[h] = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    const kv_t* key = keys + j * stride;
-    __m512 acc = _mm512_mul_ps(query[0], load16(key));
-    for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + 16 * c), acc);
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
-    max_score = std::max(max_score, scores[j]);
+    __m512 key[16];
+    for (int c = 0; c < chunks; ++c) key[c] = load16(keys + j * stride + 16 * c);
+    for (int h = 0; h < group; ++h) {
+      const float* query = queries + h * dim;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
+      for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), key[c], acc);
+      const float score = _mm512_reduce_add_ps(acc) * scale;
+      scores[h * stride_scores + j] = score;
+      max_score[h] = std::max(max_score[h], score);
+    }
   }
   // exp(s - max) 16 scores at a time (the tail masked), summed in a fixed order.
-  __m512 total = _mm512_setzero_ps();
-  const __m512 shift = _mm512_set1_ps(max_score);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), shift));
-    _mm512_mask_storeu_ps(scores + j, lanes, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+  __m512 denominator[kMaxGroup];
+  for (int h = 0; h < group; ++h) {
+    float* row = scores + h * stride_scores;
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(max_score[h]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), shift));
+      _mm512_mask_storeu_ps(row + j, lanes, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+    }
+    denominator[h] = _mm512_set1_ps(_mm512_reduce_add_ps(total));
   }
-  const __m512 denominator = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-  __m512 acc[16];
-  for (int c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    const kv_t* value = values + j * stride;
-    for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, load16(value + 16 * c), acc[c]);
+  // Two chunks of every head's output at a time: 2 * group accumulators stay in registers.
+  for (int c0 = 0; c0 < chunks; c0 += 2) {
+    const int width = std::min(2, chunks - c0);
+    __m512 acc[kMaxGroup][2];
+    for (int h = 0; h < group; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const kv_t* value = values + j * stride + 16 * c0;
+      const __m512 v0 = load16(value), v1 = width == 2 ? load16(value + 16) : _mm512_setzero_ps();
+      for (int h = 0; h < group; ++h) {
+        const __m512 weight = _mm512_set1_ps(scores[h * stride_scores + j]);
+        acc[h][0] = _mm512_fmadd_ps(weight, v0, acc[h][0]);
+        acc[h][1] = _mm512_fmadd_ps(weight, v1, acc[h][1]);
+      }
+    }
+    for (int h = 0; h < group; ++h) {
+      for (int c = 0; c < width; ++c) store16(out[h] + 16 * (c0 + c), _mm512_div_ps(acc[h][c], denominator[h]));
+    }
   }
-  for (int c = 0; c < chunks; ++c) store16(out + 16 * c, _mm512_div_ps(acc[c], denominator));
 }
 
 // q (B, H, T, D), keys and values (B, Hkv, S, D) (any strides with D contiguous), counts (B, T) int64:
@@ -93,7 +122,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), dim = q.size(3);
   const int64_t kv_heads = keys.size(1), slots = keys.size(2);
   TORCH_CHECK(dim % 16 == 0 && dim <= 256, "attend: head size must be a multiple of 16, at most 256");
-  TORCH_CHECK(heads % kv_heads == 0 && keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(3) == dim,
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(3) == dim,
               "attend: shapes do not match");
   TORCH_CHECK(counts.dim() == 2 && counts.size(0) == batch && counts.size(1) == tokens && counts.scalar_type() == at::kLong,
               "attend: counts must be (B, T) int64");
@@ -109,20 +138,27 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int chunks = static_cast<int>(dim / 16);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const int64_t group = heads / kv_heads;
+  // One work item per (row b, key/value head, new token t): the query heads sharing those keys go together.
   const auto run = [&](auto* typed) {
     using scalar_t = std::remove_pointer_t<decltype(typed)>;
     const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
     const scalar_t* k_ptr = kc.data_ptr<scalar_t>();
     const scalar_t* v_ptr = vc.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * heads * tokens, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(slots + 16);
-      for (int64_t item = begin; item < end; ++item) {  // item = (b, h, t), row-major as q is
-        const int64_t b = item / (heads * tokens), h = item / tokens % heads, t = item % tokens;
-        const int64_t k_offset = b * kc.stride(0) + (h / group) * kc.stride(1);
-        const int64_t v_offset = b * vc.stride(0) + (h / group) * vc.stride(1);
-        attend_one(q_ptr + item * dim, k_ptr + k_offset, v_ptr + v_offset, count[b * tokens + t], dim, chunks, scale,
-                   scores.data(), out_ptr + item * dim);
+    const int64_t stride_scores = slots + 16;
+    at::parallel_for(0, batch * kv_heads * tokens, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * stride_scores), queries(group * dim);
+      scalar_t* outs[kMaxGroup];
+      for (int64_t item = begin; item < end; ++item) {  // item = (b, kv head, t)
+        const int64_t b = item / (kv_heads * tokens), kv = item / tokens % kv_heads, t = item % tokens;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t query = (b * heads + kv * group + g) * tokens + t;  // q is (B, H, T, D), row-major
+          for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(queries.data() + g * dim + i, load16(q_ptr + query * dim + i));
+          outs[g] = out_ptr + query * dim;
+        }
+        attend_group(queries.data(), static_cast<int>(group), k_ptr + b * kc.stride(0) + kv * kc.stride(1),
+                     v_ptr + b * vc.stride(0) + kv * vc.stride(1), count[b * tokens + t], dim, chunks, scale,
+                     scores.data(), stride_scores, outs);
       }
     });
   };
