@@ -138,12 +138,12 @@ fast_w4a8() {  # the opt-in w4a8 target next to the default (w8a8) and llama.cpp
 
 fast_kernels() {  # the default target (auto) against llama.cpp at 1, 4 and 16 clients, after the kernel work.
     # Needs llama.cpp from `make peers`. One target forward per format first (SKIP_FORWARD_COST=1 keeps the
-    # last table), then served runs, then llama-bench.
-    local out=benchmarks/fast-kernels
+    # last table), then served runs, then llama-bench. FAST_KERNELS_OUT names the folder (one per machine).
+    local out=${FAST_KERNELS_OUT:-benchmarks/fast-kernels}
     [ "${SKIP_FORWARD_COST:-0}" = 1 ] || .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out $out/forward-cost
     local P=benchmarks/peers
     local S="--threads 2 --max-batch-size 16 --max-context 2048"
-    local L="--limit 16 --concurrency 1,4,16 --requests 4,8,16 --max-tokens 128"
+    local L="--limit 16 --concurrency 1,4,16 --requests ${FAST_KERNELS_REQUESTS:-4,8,16} --max-tokens 128"
     $V bench-serve \
         --server verispec-plain=http://127.0.0.1:8501/v1 --start "verispec-plain=$V serve --drafter none --port 8501 $S" \
         --server verispec-draft=http://127.0.0.1:8502/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8502 $S" \

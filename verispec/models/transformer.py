@@ -23,7 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in float32.
 
     The weight is applied after the rounding, as Qwen2 and Llama do. Where verispec's kernels run,
-    one call does it all (kernels/norm.cpp: ~1 us a row against ~40 us for torch's six calls),
+    one call does it all (kernels/norm.cpp: ~4 us a call for one 1536-wide row against ~40 us for
+    torch's six calls),
     each row alone in a fixed order; else torch's rms_norm without a weight, which computes that
     normalisation in one call. tests/test_transformer.py checks both against the formula.
     x: (..., C); weight: (C,).
@@ -88,7 +89,7 @@ def attention_kernel_runs(head_dim: int, dtype: torch.dtype) -> bool:
 def kernels_available() -> bool:
     """Whether verispec's attention and norm kernels, built with the w4a8 kernel, run here.
 
-    Asked once per process, so every forward of a process attends the same way.
+    Asked once per process, so every forward of a process attends and normalises the same way.
     """
     if w4a8.unavailable_reason() is not None:
         return False
