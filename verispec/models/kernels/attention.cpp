@@ -54,8 +54,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 constexpr int kMaxGroup = 16;  // query heads per key/value head (Qwen2.5: 6 or 7; Llama 3: 4)
 
 // The `group` query heads that share one key/value head, each over the same n keys (rows of `stride`
-// elements, D = 16 * chunks): out[h] (D,) for each. Each key and value row is read once for all the
-// heads (the pass was bound by reading them, once per head), and each head's arithmetic is what it
+// elements, D = 16 * chunks): out[h] (D,) for each. Each key and value row is read (and widened from
+// bfloat16) once for all the heads instead of once per head, and each head's arithmetic is what it
 // would be alone, in the same order:
 //   s_j = sum_c q_c * k_jc (one float32 vector per chunk, added lane-wise, then reduced) * scale,
 //   out = sum_j exp(s_j - max) v_j / sum_j exp(s_j - max).
@@ -138,7 +138,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int chunks = static_cast<int>(dim / 16);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const int64_t group = heads / kv_heads;
-  // One work item per (row b, key/value head, new token t): the query heads sharing those keys go together.
+  // One work item per (row b, key/value head, new token t): the query heads sharing those keys go together
+  // (B * Hkv * T items: two already for one token of a Qwen2.5 model, one per thread here).
   const auto run = [&](auto* typed) {
     using scalar_t = std::remove_pointer_t<decltype(typed)>;
     const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
