@@ -28,12 +28,6 @@
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) { return from_bfloat16(p); }
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16(v)); }
-
 // exp(x) for x <= 0 (scores minus their max): Cephes' single-precision polynomial, 2^n by scalef.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this exp underflows to ~0 anyway
@@ -163,11 +157,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
       }
     });
   };
-  if (q.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    run(static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_float_or_bfloat16(q.scalar_type(), run);
   return out;
 }
 

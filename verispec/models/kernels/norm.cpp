@@ -21,17 +21,11 @@
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) { return from_bfloat16(p); }
-
 // v rounded to the storage type and back: the rounding an aten op in that dtype makes.
 inline __m512 round_to(const float*, __m512 v) { return v; }
 inline __m512 round_to(const at::BFloat16*, __m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bfloat16(v)), 16));
 }
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bfloat16(v)); }
 
 template <typename scalar_t>
 void rms_norm_row(const scalar_t* x, const scalar_t* weight, int64_t c, float eps, scalar_t* out) {
@@ -66,11 +60,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int64_t r = begin; r < end; ++r) rms_norm_row(x_ptr + r * c, w_ptr, c, static_cast<float>(eps), out_ptr + r * c);
     });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    run(static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_float_or_bfloat16(x.scalar_type(), run);
   return out;
 }
 
