@@ -80,12 +80,37 @@ def test_composite_falls_back_when_lookup_has_nothing(target, repeating_prompt):
     composite = CompositeDrafter([PromptLookupDrafter(), model_drafter])
     ids = target.encode("The quick brown")
     composite.begin(ids, 64)
+    assert composite.next_source(ids) == "draft-model"
     assert composite.propose(ids, 3, GREEDY, None).source == "draft-model"
     repeated = target.encode(repeating_prompt)
     composite.begin(repeated, 64)
+    assert composite.next_source(repeated) == "prompt-lookup"
     assert composite.propose(repeated, 3, GREEDY, None).source == "prompt-lookup"
     built = make_drafter("composite", target, str(target.directory), "float32")
     assert [type(d).__name__ for d in built.drafters] == ["SuffixIndexDrafter", "DraftModelDrafter"]
+
+
+def test_can_propose_says_what_propose_will_find():
+    tokens = [7, 8, 9, 10, 11, 7, 8]
+    for drafter in (SuffixIndexDrafter(depth=8, min_match=2), PromptLookupDrafter(min_ngram=2)):
+        drafter.begin([], 100)
+        for context in (tokens[:5], tokens, tokens + [12], tokens + [9, 10, 11, 12]):
+            assert drafter.can_propose(context) == (drafter.propose(context, 3, GREEDY, None).num_tokens > 0)
+    assert SuffixIndexDrafter(depth=8, min_match=3).can_propose([1, 2, 3, 1, 2]) is False  # 2 < min_match
+
+
+def test_a_lazy_prefill_is_catching_up_not_drafting(target):
+    """A draft model fed a whole prompt at its first proposal reports that pass as catching up."""
+    ids = target.encode("The quick brown fox jumps over the lazy dog, again and again")
+    assert len(ids) > 9
+    lazy = DraftModelDrafter(target.model, target.model.vocab_size, lazy_prefill=True)
+    lazy.begin(ids, 64)
+    first = lazy.propose(ids, 2, GREEDY, None)
+    assert first.catch_up_seconds > 0
+    assert lazy.propose(ids + first.token_ids[0].tolist(), 2, GREEDY, None).catch_up_seconds == 0.0  # short tail
+    eager = DraftModelDrafter(target.model, target.model.vocab_size)
+    eager.begin(ids, 64)
+    assert eager.propose(ids, 2, GREEDY, None).catch_up_seconds == 0.0  # the prompt was fed by begin
 
 
 def greedy_config(k=4):

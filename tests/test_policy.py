@@ -92,6 +92,21 @@ def test_recovers_when_the_drafter_starts_to_agree_again():
     assert sum(chosen[-10:]) / 10 >= 4
 
 
+def test_k_follows_the_source_that_will_draft():
+    """A composite's free lookup drafts deep while its costly draft model drafts short, step by step."""
+    controller = AdaptiveController(ControllerSettings(k_max=8))
+    verify = lambda n: 0.04 + 0.002 * n  # noqa: E731 - a CPU verify pass: a few tokens cost about one
+    for _ in range(30):
+        controller.observe("suffix-index", 6, 6, 0.0001, 7, verify(7))
+        controller.observe("draft-model", 2, 1, 2 * 0.02, 3, verify(3))
+    for _ in range(30):  # the draft model is the most recent source by far
+        controller.observe("draft-model", 2, 1, 2 * 0.02, 3, verify(3))
+    assert controller.choose_k(source="suffix-index") >= 6
+    assert 1 <= controller.choose_k(source="draft-model") <= 3
+    assert controller.choose_k() == controller.choose_k(source="draft-model")  # None: the most recent source
+    assert controller.choose_k(source="never-seen") == controller.settings.first_k  # unmeasured: try it
+
+
 def test_plain_cost_is_unknown_until_measured():
     controller = AdaptiveController()
     assert controller.plain_seconds_per_token() is None

@@ -116,7 +116,7 @@ class SpeculativeEngine:
             # 1. Draft up to k tokens after everything committed.
             started = time.perf_counter()
             remaining = config.max_new_tokens - (len(tokens) - len(prompt_ids))
-            k_wanted = controller.choose_k() if adaptive else k_longest
+            k_wanted = controller.choose_k(source=self._next_source(tokens)) if adaptive else k_longest
             k_step = min(k_wanted, remaining - 1)  # drafts past max_new_tokens would be thrown away
             if k_step > 0:
                 proposal = self.drafter.propose(tokens, k_step, params, generator)
@@ -143,10 +143,15 @@ class SpeculativeEngine:
             verify_seconds = time.perf_counter() - verifying
             stats.record_step(drafted, num_accepted, proposal.source)
             stats.verify_seconds += verify_seconds
-            controller.observe(
-                proposal.source, drafted, num_accepted, verifying - started, 1 + drafted, verify_seconds
-            )
+            draft_seconds = verifying - started - proposal.catch_up_seconds  # a backlog fed is not drafting
+            controller.observe(proposal.source, drafted, num_accepted, draft_seconds, 1 + drafted, verify_seconds)
             yield _Step(new_tokens)
+
+
+    def _next_source(self, tokens: list[int]) -> str | None:
+        """The drafter about to propose, when the drafter knows (a composite's lookup or model); else None."""
+        next_source = getattr(self.drafter, "next_source", None)
+        return next_source(tokens) if next_source is not None else None
 
 
 class TextStream:

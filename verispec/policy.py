@@ -93,10 +93,16 @@ class AdaptiveController:
             tokens += reach
         return tokens / (draft * k + verify)
 
-    def choose_k(self, batch_size: int = 1) -> int:
-        """k for the next step of `batch_size` sequences decoded together (0 = plain decoding)."""
+    def choose_k(self, batch_size: int = 1, source: str | None = None) -> int:
+        """k for the next step of `batch_size` sequences decoded together (0 = plain decoding).
+
+        source: the drafter that will propose (a composite drafter knows before it drafts: lookup when
+        the context recurs, else its draft model), whose acceptance and cost then decide; None = the
+        source seen most in recent steps.
+        """
         self.probing = False
-        source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
+        if source is None:
+            source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
         if source is None:
             k = self.settings.first_k
         else:

@@ -4,6 +4,9 @@ Lookup-style drafters cost microseconds and are often right on input-grounded te
 summaries), where a draft model spends k forwards to guess the same tokens. When lookup finds no
 match, the draft model still gives good guesses on novel text. The draft model keeps its own cache
 in sync with the committed tokens, so it catches up in one forward after lookup steps.
+
+The two kinds differ in what a draft costs and how often it is accepted, so the controller chooses k
+for the drafter that will propose: `next_source` says which, before anything is drafted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ class CompositeDrafter:
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
         for drafter in self.drafters:
             drafter.begin(prompt_ids, max_length)
+
+    def next_source(self, tokens: list[int]) -> str:
+        """Which drafter propose(tokens, ...) will use: the first lookup with a match, else the last drafter."""
+        for drafter in self.drafters[:-1]:
+            if drafter.can_propose(tokens):
+                return drafter.source
+        return self.drafters[-1].source
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None

@@ -13,9 +13,11 @@ across the boundary is encoded as the target would encode it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import LONG_TAIL, Proposal
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import LoadedModel
 from verispec.sampling import SamplingParams
@@ -24,6 +26,8 @@ BOUNDARY_TOKENS = 3  # committed target tokens re-encoded with the draft's text
 
 
 class CrossTokenizerDrafter:
+    source = "cross-tokenizer"
+
     def __init__(self, draft: LoadedModel, target: LoadedModel) -> None:
         self.draft, self.target = draft, target
         self.model = draft.model
@@ -70,8 +74,11 @@ class CrossTokenizerDrafter:
     ) -> Proposal:
         context = self._draft_context(tokens)
         if len(context) + k + 1 > self.cache.capacity:
-            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, "cross-tokenizer")
-        logits = self._feed(self._sync(context))
+            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
+        tail = self._sync(context)
+        started = time.perf_counter()
+        logits = self._feed(tail)
+        catch_up_seconds = time.perf_counter() - started if len(tail) > LONG_TAIL else 0.0
         drafted: list[int] = []
         forwards = 1
         for i in range(k):
@@ -84,4 +91,6 @@ class CrossTokenizerDrafter:
                 forwards += 1
         draft_text = self.draft.tokenizer.decode(drafted, skip_special_tokens=True)
         proposal = self._to_target(tokens, draft_text, k) if draft_text else []
-        return Proposal(torch.tensor([proposal], dtype=torch.long).reshape(1, -1), None, forwards, "cross-tokenizer")
+        return Proposal(
+            torch.tensor([proposal], dtype=torch.long).reshape(1, -1), None, forwards, self.source, catch_up_seconds
+        )

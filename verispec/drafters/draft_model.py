@@ -8,15 +8,19 @@ target's, and only change how often drafts are accepted.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import LONG_TAIL, Proposal
 from verispec.models.kv_cache import KVCache
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 
 class DraftModelDrafter:
+    source = "draft-model"
+
     def __init__(self, model: Transformer, target_vocab_size: int, lazy_prefill: bool = False) -> None:
         self.model = model
         self.lazy_prefill = lazy_prefill  # prefill on first use: a fallback drafter may never be asked
@@ -82,9 +86,12 @@ class DraftModelDrafter:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         if k == 0:
-            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, "draft-model")
+            return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
         self._sync(tokens)
-        logits = self._feed(tokens[len(self.cached_tokens):])  # (V',)
+        tail = tokens[len(self.cached_tokens):]
+        started = time.perf_counter()
+        logits = self._feed(tail)  # (V',)
+        catch_up_seconds = time.perf_counter() - started if len(tail) > LONG_TAIL else 0.0
         forwards = 1
         drafted: list[int] = []
         draft_probs: list[torch.Tensor] = []
@@ -104,4 +111,4 @@ class DraftModelDrafter:
                 logits = self._feed([token])
                 forwards += 1
         probs = torch.stack(draft_probs)[None] if draft_probs else None  # (1, k, V)
-        return Proposal(torch.tensor([drafted]), probs, forwards, "draft-model")
+        return Proposal(torch.tensor([drafted]), probs, forwards, self.source, catch_up_seconds)

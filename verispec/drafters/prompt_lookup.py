@@ -32,6 +32,8 @@ def find_continuation(tokens: torch.Tensor, k: int, min_ngram: int, max_ngram: i
 
 
 class PromptLookupDrafter:
+    source = "prompt-lookup"
+
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
@@ -40,8 +42,12 @@ class PromptLookupDrafter:
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
         pass
 
+    def can_propose(self, tokens: list[int]) -> bool:
+        """Whether propose(tokens, ...) would find a recurring n-gram."""
+        return bool(find_continuation(torch.tensor(tokens), 1, self.min_ngram, self.max_ngram))
+
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         found = find_continuation(torch.tensor(tokens), k, self.min_ngram, self.max_ngram)
-        return Proposal(torch.tensor([found], dtype=torch.long).reshape(1, -1), None, 0, "prompt-lookup")
+        return Proposal(torch.tensor([found], dtype=torch.long).reshape(1, -1), None, 0, self.source)

@@ -87,6 +87,11 @@ def best_continuation(trie: SuffixTrie, active: list[Node], k: int, min_match: i
     return proposal, first_match
 
 
+def _has_continuation(active: list[Node], min_match: int) -> bool:
+    """Whether a context suffix of at least min_match tokens has occurred with a continuation."""
+    return any(node.children for node in active[min_match:])
+
+
 def corpus_token_stream(paths: list[Path], encode: Callable[[str], list[int]]) -> Iterable[list[int]]:
     """Token ids of every text file under the given files or directories (binary files skipped)."""
     for path in paths:
@@ -102,6 +107,8 @@ def corpus_token_stream(paths: list[Path], encode: Callable[[str], list[int]]) -
 
 
 class SuffixIndexDrafter:
+    source = "suffix-index"
+
     def __init__(self, depth: int = 16, min_match: int = 2, corpus: SuffixTrie | None = None) -> None:
         if depth < 2 or not 1 <= min_match < depth:
             raise ValueError(f"suffix index needs depth >= 2 and 1 <= min_match < depth, got {depth}, {min_match}")
@@ -125,19 +132,29 @@ class SuffixIndexDrafter:
         self.corpus_active = [self.corpus.root] if self.corpus else []
         self.seen = 0
 
-    def propose(
-        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Proposal:
-        # Committed tokens are final, so the index only ever grows.
+    def _index(self, tokens: list[int]) -> None:
+        """Add the committed tokens not indexed yet (they are final, so the index only ever grows)."""
         for token in tokens[self.seen:]:
             self.active = self.trie.extend(self.active, token)
             if self.corpus is not None:
                 self.corpus_active = self.corpus.follow(self.corpus_active, token)
         self.seen = len(tokens)
+
+    def can_propose(self, tokens: list[int]) -> bool:
+        """Whether propose(tokens, ...) would find a recurring context (cheap: at most depth nodes)."""
+        self._index(tokens)
+        return any(
+            _has_continuation(active, self.min_match) for active in (self.active, self.corpus_active) if active
+        )
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        self._index(tokens)
         own, own_length = best_continuation(self.trie, self.active, k, self.min_match)
         found = own
         if self.corpus is not None:
             shared, shared_length = best_continuation(self.corpus, self.corpus_active, k, self.min_match)
             if shared_length > own_length:
                 found = shared
-        return Proposal(torch.tensor([found], dtype=torch.long).reshape(1, -1), None, 0, "suffix-index")
+        return Proposal(torch.tensor([found], dtype=torch.long).reshape(1, -1), None, 0, self.source)

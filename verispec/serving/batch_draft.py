@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import LONG_TAIL, Proposal
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 
 PAD_TOKEN = 0  # fills ragged inputs on the right; its keys/values land in scratch slots never committed
-LONG_TAIL = 8  # a row further behind than this catches up alone, so the others are not padded to its length
+# A row further behind than LONG_TAIL catches up alone, so the others are not padded to its length.
 
 
 class BatchedDraftModel:

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 import torch
 
 from verispec.drafters import make_drafter
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import Transformer
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import logits_to_probs
-from verispec.serving.batch_draft import LONG_TAIL, PAD_TOKEN, BatchedDraftModel
+from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
 
