@@ -147,12 +147,14 @@ fast_kernels() {  # the default target (auto) against llama.cpp at 1, 4 and 16 c
     $V bench-serve \
         --server verispec-plain=http://127.0.0.1:8501/v1 --start "verispec-plain=$V serve --drafter none --port 8501 $S" \
         --server verispec-draft=http://127.0.0.1:8502/v1 --start "verispec-draft=$V serve --drafter draft-model --port 8502 $S" \
+        --server verispec-composite=http://127.0.0.1:8506/v1 --start "verispec-composite=$V serve --drafter composite --port 8506 $S" \
         --server llama.cpp-plain=http://127.0.0.1:8504/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8504" \
         --server llama.cpp-draft=http://127.0.0.1:8505/v1 --start "llama.cpp-draft=SLOTS=16 $P/serve_llama_cpp.sh draft 8505 4" \
         --workload humaneval $L --out $out/humaneval || true
     $V bench-serve \
         --server verispec-plain=http://127.0.0.1:8501/v1 --start "verispec-plain=$V serve --drafter none --port 8501 $S" \
         --server verispec-suffix=http://127.0.0.1:8503/v1 --start "verispec-suffix=$V serve --drafter suffix-index --port 8503 $S" \
+        --server verispec-composite=http://127.0.0.1:8506/v1 --start "verispec-composite=$V serve --drafter composite --port 8506 $S" \
         --server llama.cpp-plain=http://127.0.0.1:8504/v1 --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8504" \
         --workload code-edit $L --out $out/code-edit || true
     local target_gguf

@@ -42,13 +42,13 @@ def run_all(scheduler: Scheduler, prompts: list[str], configs: list[GenerationCo
         scheduler.stop()
 
 
-@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup", "suffix-index", "none"])
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup", "suffix-index", "composite", "none"])
 @pytest.mark.parametrize("k", ["auto", 3])
 def test_batched_greedy_equals_single_requests(target, draft, drafter, k):
     lengths = [24, 7, 31, 16, 40, 1]  # sequences finish at different steps and leave the batch
     expected = [plain_tokens(target, p, n) for p, n in zip(PROMPTS, lengths)]
     scheduler = Scheduler(
-        target, draft.model if drafter == "draft-model" else None, drafter, k=k,
+        target, draft.model if drafter in ("draft-model", "composite") else None, drafter, k=k,
         limits=SchedulerLimits(max_batch_size=4, max_context=256),
     )
     events = run_all(scheduler, PROMPTS, [GenerationConfig(max_new_tokens=n) for n in lengths])
@@ -73,6 +73,21 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
         stats = prompt_events[-1].stats
         assert stats.drafted_tokens > 0
         assert stats.accepted_tokens == stats.drafted_tokens
+
+
+def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target, draft):
+    """In one batch a repetitive sequence drafts from its suffix index, a fresh one from the draft model."""
+    repetitive = "def add(a, b):\n    return a + b\n\n" * 4 + "def add(a, b):\n"
+    prompts = [repetitive, PROMPTS[1], PROMPTS[2]]
+    scheduler = Scheduler(target, draft.model, "composite", k="auto", limits=SchedulerLimits(max_batch_size=3, max_context=256))
+    events = run_all(scheduler, prompts, [GenerationConfig(max_new_tokens=30)] * 3)
+    for prompt, prompt_events in zip(prompts, events):
+        assert [t for e in prompt_events for t in e.token_ids] == plain_tokens(target, prompt, 30)
+    reached = {source: sum(averages.reached) for source, averages in scheduler.controller.sources.items()}
+    assert reached.get("suffix-index", 0) > 0 and reached.get("draft-model", 0) > 0
+    k_suffix = scheduler.controller.choose_k(1, "suffix-index")
+    k_model = scheduler.controller.choose_k(1, "draft-model")
+    assert (k_suffix, k_model) != (0, 0)  # each source is judged on its own record
 
 
 def test_sampled_rows_use_their_own_settings(target, draft):
@@ -123,6 +138,10 @@ def test_limits_are_enforced(target):
         Scheduler(target, None, "none", limits=SchedulerLimits(max_context=100_000))
     with pytest.raises(ValueError, match="needs a draft model"):
         Scheduler(target, None, "draft-model")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Scheduler(target, None, "composite")
+    with pytest.raises(ValueError, match="uses no draft model"):
+        Scheduler(target, target.model, "suffix-index")
 
 
 def test_controller_speculates_less_when_verification_gets_expensive():
@@ -184,8 +203,7 @@ def test_a_probe_in_a_big_batch_does_not_fill_stale_draft_caches(target, draft, 
     scheduler._admit()
     for sequence in scheduler.active:  # as if 20 plain steps had passed: nobody's draft cache is current
         sequence.tokens.extend([5] * 20)
-    scheduler.controller.probing = True
-    proposals = scheduler._draft([1, 1, 1, 1])
+    proposals, _ = scheduler._draft([1, 1, 1, 1], ["draft-model"] * 4, probing=True)
     assert [p.num_tokens for p in proposals] == [1, 0, 0, 0]  # one row catches up and probes, not all
     assert scheduler.draft.behind(0, scheduler.active[0].tokens) == 0
     assert scheduler.draft.behind(1, scheduler.active[1].tokens) > 8

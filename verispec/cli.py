@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
     serve.add_argument(
         "--drafter", default="draft-model", choices=SERVED_DRAFTERS,
-        help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, or none",
+        help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
+        "composite (each request's suffix index where its text recurs, else the draft model), or none",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=_port, default=8000)
@@ -253,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from verispec.serving.app import create_app
     from verispec.serving.metrics import ServerMetrics
-    from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
+    from verispec.serving.scheduler import MODEL_DRAFTERS, SchedulerLimits, build_scheduler, start_in_model_thread
 
     sock = _listen(args.host, args.port)
     drafter = "none" if args.drafter == "draft-model" and args.draft.lower() == "none" else args.drafter
@@ -261,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context)
     try:  # the models are loaded and run in one thread of their own (see start_in_model_thread)
         scheduler = start_in_model_thread(lambda: build_scheduler(
-            args.target, args.draft if drafter == "draft-model" else None, drafter, args.dtype, args.draft_quantize,
+            args.target, args.draft if drafter in MODEL_DRAFTERS else None, drafter, args.dtype, args.draft_quantize,
             args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
         ), args.threads)
     except BaseException:

@@ -108,8 +108,8 @@ class AdaptiveController:
         else:
             averages = self._source(source)
             rates = [(self.expected_rate(k, averages, batch_size), k) for k in range(self.settings.k_max + 1)]
-            if any(rate is None for rate, _ in rates):
-                k = self.settings.first_k if self._verify_seconds(batch_size) is not None else 0
+            if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
+                k = self.settings.first_k
             else:
                 k = max(rates)[1]
             if k == 0 and self._could_pay(averages, batch_size):

@@ -2,8 +2,9 @@
 
 One thread owns the models. Each iteration it
   1. admits waiting requests into free cache rows (prefilling their prompts) and drops cancelled ones,
-  2. asks the controller for k given the batch size, drafts k tokens for every active sequence
-     (one batched draft forward per position, or each sequence's model-free drafter),
+  2. asks the controller for k given the batch size and the drafter, drafts k tokens for every active
+     sequence (one batched draft forward per position, or each sequence's model-free drafter; composite:
+     each sequence's suffix index where its context recurs, the batched draft model for the rest),
   3. verifies all drafts in ONE target forward over (n, 1 + k) tokens: ragged prefixes are
      handled by per-row cache lengths, positions and attention masks; rows with shorter drafts
      are padded on the right, and padding is never committed,
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import torch
 
-from verispec.drafters import make_drafter
+from verispec.drafters import COMPOSITE_MIN_MATCH, SuffixIndexDrafter, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
@@ -43,7 +44,9 @@ from verispec.verify import verify
 if TYPE_CHECKING:
     from verispec.serving.metrics import ServerMetrics
 
-SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "none")
+SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "composite", "none")
+# Drafters with a (batched) draft model; composite asks each sequence's suffix index first.
+MODEL_DRAFTERS = ("draft-model", "composite")
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,10 @@ class Scheduler:
     ) -> None:
         if drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
-        if (drafter == "draft-model") != (draft_model is not None):
-            raise ValueError("drafter 'draft-model' needs a draft model, and only it uses one")
+        if drafter in MODEL_DRAFTERS and draft_model is None:
+            raise ValueError(f"drafter {drafter!r} needs a draft model")
+        if drafter not in MODEL_DRAFTERS and draft_model is not None:
+            raise ValueError(f"drafter {drafter!r} uses no draft model; only {' and '.join(MODEL_DRAFTERS)} do")
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"k must be 'auto' or an integer >= 0, got {k!r}")
         if k_max < 1:
@@ -352,57 +357,74 @@ class Scheduler:
             view.commit(len(prompt) - 1)
         if self.draft is not None:
             self.draft.add(row)  # filled when the sequence first drafts
-        elif self.drafter != "none":  # a model-free drafter keeps per-sequence state: one each
-            sequence.drafter = make_drafter(self.drafter, self.target)
+        if self.drafter in ("prompt-lookup", "suffix-index", "composite"):  # lookup state is per sequence
+            sequence.drafter = (
+                SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH) if self.drafter == "composite"
+                else make_drafter(self.drafter, self.target)
+            )
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
 
-    def _choose_k(self, batch_size: int) -> int:
-        if self.drafter == "none":
-            return 0
-        return self.controller.choose_k(batch_size) if self.k == "auto" else int(self.k)
+    def _sources(self) -> list[str]:
+        """Which drafter proposes for each active row this step (composite: lookup where the context recurs)."""
+        if self.drafter != "composite":
+            return [self.drafter] * len(self.active)
+        return [
+            s.drafter.source if s.drafter.can_propose(s.tokens) else BatchedDraftModel.source for s in self.active
+        ]
 
-    def _draft(self, k_per_row: list[int]) -> list[Proposal]:
+    def _choose_k(self, batch_size: int, source: str) -> tuple[int, bool]:
+        """k for the rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
+        if self.drafter == "none":
+            return 0, False
+        if self.k != "auto":
+            return int(self.k), False
+        return self.controller.choose_k(batch_size, source), self.controller.probing
+
+    def _draft(self, k_per_row: list[int], sources: list[str], probing: bool) -> tuple[list[Proposal], dict[str, float]]:
+        """Each row's proposal (trimmed to its k), and the seconds each source spent drafting (catch-up excluded)."""
         active = self.active
-        k_step = max(k_per_row)
-        if k_step == 0:
-            return [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
-        if self.draft is not None:
-            drafting = [k > 0 for k in k_per_row]
-            if self.controller.probing:  # a probe asks only rows whose draft cache is current (else one row)
+        proposals = [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
+        seconds: dict[str, float] = {}
+        model = BatchedDraftModel.source
+        drafting = [k > 0 and source == model for k, source in zip(k_per_row, sources)]
+        if self.draft is not None and any(drafting):
+            if probing:  # a probe asks only rows whose draft cache is current (else the first drafting row)
                 current = [
                     wants and self.draft.behind(row, s.tokens) <= LONG_TAIL
                     for row, (wants, s) in enumerate(zip(drafting, active))
                 ]
-                drafting = current if any(current) else [row == 0 and drafting[0] for row in range(len(active))]
-            proposals = self.draft.propose(
+                first = drafting.index(True)
+                drafting = current if any(current) else [row == first for row in range(len(active))]
+            started = time.perf_counter()
+            k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
+            batched = self.draft.propose(
                 [s.tokens for s in active], k_step,
                 [s.config.sampling for s in active], [s.generator for s in active], drafting,
             )
-        else:
-            proposals = [
-                s.drafter.propose(s.tokens, k, s.config.sampling, s.generator) if k > 0
-                else Proposal(torch.empty(1, 0, dtype=torch.long), None)
-                for s, k in zip(active, k_per_row)
-            ]
+            seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
+            proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
+        for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
+            if k > 0 and source != model:
+                started = time.perf_counter()
+                proposals[row] = sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator)
+                seconds[source] = seconds.get(source, 0.0) + time.perf_counter() - started
         trimmed = []  # a row near its max_tokens keeps only drafts it can still use
         for proposal, k in zip(proposals, k_per_row):
             if proposal.num_tokens > k:
                 probs = proposal.probs[:, :k] if proposal.probs is not None else None
                 proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
             trimmed.append(proposal)
-        return trimmed
+        return trimmed, seconds
 
     def _step(self) -> None:
         active = self.active
         n = len(active)
         started = time.perf_counter()
-        k = self._choose_k(n)
-        if self.draft is not None:
-            self.draft.catch_up_seconds = 0.0
-        proposals = self._draft([max(0, min(k, s.remaining - 1)) for s in active])
+        sources = self._sources()
+        choices = {source: self._choose_k(n, source) for source in dict.fromkeys(sources)}  # source -> (k, probe)
+        k_per_row = [max(0, min(choices[source][0], s.remaining - 1)) for s, source in zip(active, sources)]
+        proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
         verifying = time.perf_counter()
-        # Catching a draft cache up after plain steps is not the cost of drafting a position.
-        draft_seconds = verifying - started - (self.draft.catch_up_seconds if self.draft is not None else 0.0)
 
         # One target forward over every row's [pending, drafts...], right-padded to the longest.
         width = 1 + max(p.num_tokens for p in proposals)
@@ -435,9 +457,10 @@ class Scheduler:
             stats.drafted_tokens += drafted
             stats.accepted_tokens += num_accepted
             stats.target_forwards += 1
+            source = proposal.source or self.drafter
             self.controller.observe(
-                proposal.source or self.drafter, drafted, num_accepted,
-                draft_seconds, n * width, finished_at - verifying, batch_size=n,
+                source, drafted, num_accepted, draft_seconds.get(source, 0.0), n * width, finished_at - verifying,
+                batch_size=n,
             )
             sequence.tokens.extend(tokens)
             finish_reason = self._emit(sequence, tokens, finished_at)
@@ -562,9 +585,9 @@ def build_scheduler(
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
     target_model = load_model(target, dtype, progress, quantize)
     draft_model = None
-    if drafter == "draft-model":
+    if drafter in MODEL_DRAFTERS:
         if draft is None or draft.lower() == "none":
-            raise ValueError("drafter 'draft-model' needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+            raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
         draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress).model
     limits = SchedulerLimits(
         limits.max_batch_size, limits.max_waiting,
