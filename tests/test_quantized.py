@@ -68,6 +68,29 @@ def test_w4a8_kernel_gives_the_exact_integer_sums_of_the_int8_weights():
     assert error < 0.12, f"4-bit relative error {error:.4f}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [256, 100])  # 16 lanes at a time, and the one-at-a-time path
+def test_w4a8_activation_codes_are_the_formula(dtype, k):
+    """Codes = clamp(round half to even(x / (amax / 127)), -127, 127), bit for bit, ties and NaN included."""
+    w4a8.load_kernel()
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(5, k, generator=generator) * torch.tensor([1.0, 30.0, 1e-3, 5.0, 1.0])[:, None]
+    ties = torch.arange(k, dtype=torch.float32) % 41 - 20.5  # n + 1/2: with amax 127 the scale is exactly 1
+    x[3] = ties
+    x[3, 7] = 127.0
+    x[4, 11] = float("nan")  # a NaN is no row's largest |x|, and its code is -127
+    x = x.to(dtype)
+    for unsigned in (False, True):
+        q, scale = torch.ops.verispec.w4a8_quantize_rows(x, unsigned)
+        xf = x.float()
+        amax = torch.nan_to_num(xf, nan=0.0).abs().amax(dim=1, keepdim=True)
+        want_scale = amax.clamp(min=1e-12) / 127.0
+        codes = torch.nan_to_num(torch.round(xf / want_scale), nan=-127.0).clamp(-127, 127)
+        assert torch.equal(scale, want_scale)
+        assert scale[3].item() == 1.0
+        assert torch.equal(q.int(), (codes + (128 if unsigned else 0)).int())
+
+
 def test_w4a8_groups_use_all_16_codes_on_their_own_range():
     """Groups whose weights are all positive (or all negative) get an offset: their 16 codes cover
     [min, max], not [-max, max] as a symmetric grid would (half the codes unused, twice the error)."""

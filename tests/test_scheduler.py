@@ -75,19 +75,21 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
         assert stats.accepted_tokens == stats.drafted_tokens
 
 
-def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target, draft):
-    """In one batch a repetitive sequence drafts from its suffix index, a fresh one from the draft model."""
-    repetitive = "def add(a, b):\n    return a + b\n\n" * 4 + "def add(a, b):\n"
-    prompts = [repetitive, PROMPTS[1], PROMPTS[2]]
-    scheduler = Scheduler(target, draft.model, "composite", k="auto", limits=SchedulerLimits(max_batch_size=3, max_context=256))
-    events = run_all(scheduler, prompts, [GenerationConfig(max_new_tokens=30)] * 3)
-    for prompt, prompt_events in zip(prompts, events):
-        assert [t for e in prompt_events for t in e.token_ids] == plain_tokens(target, prompt, 30)
-    reached = {source: sum(averages.reached) for source, averages in scheduler.controller.sources.items()}
-    assert reached.get("suffix-index", 0) > 0 and reached.get("draft-model", 0) > 0
-    k_suffix = scheduler.controller.choose_k(1, "suffix-index")
-    k_model = scheduler.controller.choose_k(1, "draft-model")
-    assert (k_suffix, k_model) != (0, 0)  # each source is judged on its own record
+def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target):
+    """In one batch a row whose text recurs drafts from its suffix index, the others from the draft model."""
+    scheduler = Scheduler(target, target.model, "composite", k="auto", limits=SchedulerLimits(3, 8, 256))
+    for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
+        scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
+    scheduler._admit()
+    sources = scheduler._sources()
+    assert sources == ["suffix-index", "draft-model", "draft-model"]
+    proposals, seconds = scheduler._draft([3, 3, 2], sources, probing=False)
+    assert [p.source for p in proposals] == sources
+    assert [p.num_tokens for p in proposals] == [3, 3, 2]
+    recurring = scheduler.active[0].tokens
+    follows = next(recurring[i + 3 : i + 6] for i in range(len(recurring) - 3) if recurring[i : i + 3] == recurring[-3:])
+    assert proposals[0].token_ids[0].tolist() == follows  # what followed the context before
+    assert set(seconds) == {"suffix-index", "draft-model"}  # each source's drafting is timed apart
 
 
 def test_sampled_rows_use_their_own_settings(target, draft):

@@ -17,6 +17,7 @@ them. The controller picks argmax E(k) / seconds over k = 0 .. k_max, where k = 
 decoding; a single request is b = 1. As the batch grows the verify pass stops being memory-bound
 and costs more per token, so the same acceptance buys less and the chosen k falls.
 
+The first step at a batch size b > 1 is plain (k = 0): its cost anchors what each extra token costs.
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
 token) so it notices when the drafter starts to agree again; unless the costs alone rule drafting
 out (it would not pay even if every draft were accepted), when a probe could learn nothing.
@@ -103,7 +104,11 @@ class AdaptiveController:
         self.probing = False
         if source is None:
             source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
-        if source is None:
+        if batch_size > 1 and batch_size not in self.verify_cost:
+            # A batch size's plain step is measured before anything is drafted at it: it costs no drafts, and
+            # without it the cost of k extra tokens per sequence would be guessed from other sizes only.
+            k = 0
+        elif source is None:
             k = self.settings.first_k
         else:
             averages = self._source(source)
