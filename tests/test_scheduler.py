@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verispec.drafters import DraftModelDrafter
+from verispec.drafters.base import LONG_TAIL
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
@@ -77,7 +78,7 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
 
 def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target):
     """In one batch a row whose text recurs drafts from its suffix index, the others from the draft model."""
-    scheduler = Scheduler(target, target.model, "composite", k="auto", limits=SchedulerLimits(3, 8, 256))
+    scheduler = Scheduler(target, target.model, "composite", k=3, limits=SchedulerLimits(3, 8, 256))
     for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()
@@ -90,6 +91,25 @@ def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target)
     follows = next(recurring[i + 3 : i + 6] for i in range(len(recurring) - 3) if recurring[i : i + 3] == recurring[-3:])
     assert proposals[0].token_ids[0].tolist() == follows  # what followed the context before
     assert set(seconds) == {"suffix-index", "draft-model"}  # each source's drafting is timed apart
+
+
+def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(target):
+    """A new row's first draft feeds its prompt to the draft model: worth it alone, not in a costly batch."""
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
+    for prompt, max_new_tokens in zip(PROMPTS[:3] + PROMPTS[4:5], (40, 40, 40, 2)):
+        scheduler.submit(target.encode(prompt) * 2, GenerationConfig(max_new_tokens=max_new_tokens))
+    scheduler._admit()
+    assert all(scheduler.draft.behind(row, s.tokens) > LONG_TAIL for row, s in enumerate(scheduler.active))
+    controller = scheduler.controller
+    assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [True, False, False, False]  # unmeasured: one row
+    controller.observe_catch_up(5.0, 100)  # 50 ms a token
+    averages = controller._source("draft-model")
+    averages.alpha, averages.draft_cost = [0.9] * 8, {4: 0.002}
+    controller.verify_cost = {4: 0.1, 12: 0.6}  # verifying 3 tokens a row costs 6x one: drafting saves nothing
+    assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [False] * 4
+    controller.verify_cost = {4: 0.1, 12: 0.11}  # about the same: drafting saves ~60% of every token
+    # ... which wins a catch-up back over 40 tokens, not over the 2 the last row has left
+    assert scheduler._worth_catching_up([True, False, True, True], [2, 2, 2, 1]) == [True, False, True, False]
 
 
 def test_sampled_rows_use_their_own_settings(target, draft):

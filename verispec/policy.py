@@ -70,6 +70,7 @@ class AdaptiveController:
     plain_streak: int = 0
     chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
     probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
+    catch_up_per_token: float | None = None  # seconds a draft model takes per committed token it catches up on
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
@@ -172,6 +173,29 @@ class AdaptiveController:
         if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
             for name in list(self.recent_sources):
                 self.recent_sources[name] //= 2
+
+    def observe_catch_up(self, seconds: float, tokens: int) -> None:
+        """Record a draft model feeding `tokens` committed tokens it had not seen (a prompt, plain steps)."""
+        if tokens > 0:
+            w, per_token = self.settings.smoothing, seconds / tokens
+            previous = self.catch_up_per_token
+            self.catch_up_per_token = per_token if previous is None else (1 - w) * previous + w * per_token
+
+    def catch_up_pays(self, behind: int, remaining: int, k: int, source: str, batch_size: int) -> bool | None:
+        """Would drafting k for a sequence `behind` tokens back win its catch-up back over `remaining` tokens?
+
+        The catch-up (a draft-model prefill of what the sequence committed without it) is paid once;
+        what drafting saves is paid per token: the seconds per token of a plain step less those of a
+        k-draft step at this batch size. None while a catch-up has not been measured yet.
+        """
+        if self.catch_up_per_token is None:
+            return None
+        averages = self._source(source)
+        plain, drafting = self.expected_rate(0, averages, batch_size), self.expected_rate(k, averages, batch_size)
+        if not plain or not drafting:
+            return True
+        saving = remaining * (1 / plain - 1 / drafting)
+        return saving > behind * self.catch_up_per_token
 
     def plain_seconds_per_token(self) -> float | None:
         """What one plain decoding step costs here (for the counterfactual speedup).

@@ -36,6 +36,7 @@ class BatchedDraftModel:
         self.cached_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # per row, in cache order
         self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
         self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
+        self.catch_up_tokens = 0  # tokens those long tails held
 
     def add(self, row: int) -> None:
         """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
@@ -68,6 +69,7 @@ class BatchedDraftModel:
         """Feed all but the last token of a long tail (a prompt, or plain steps) to the row alone."""
         if len(tail) <= LONG_TAIL:
             return tail
+        self.catch_up_tokens += len(tail) - 1
         view = self.cache.rows(row, row + 1)
         self.model.forward(torch.tensor([tail[:-1]]), view, last_only=True)
         view.commit(len(tail) - 1)
@@ -116,6 +118,7 @@ class BatchedDraftModel:
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         started = time.perf_counter()
+        self.catch_up_tokens = 0
         tails = [self._catch_up(b, self._sync(b, seq)) if drafting[b] else None for b, seq in enumerate(tokens)]
         self.catch_up_seconds = time.perf_counter() - started
         logits = self._feed(tails)  # (n, V')

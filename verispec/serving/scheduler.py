@@ -387,14 +387,16 @@ class Scheduler:
         seconds: dict[str, float] = {}
         model = BatchedDraftModel.source
         drafting = [k > 0 and source == model for k, source in zip(k_per_row, sources)]
+        if self.draft is not None and any(drafting) and probing:
+            # A probe asks only rows whose draft cache is current (else the first drafting row).
+            current = [
+                wants and self.draft.behind(row, s.tokens) <= LONG_TAIL for row, (wants, s) in enumerate(zip(drafting, active))
+            ]
+            first = drafting.index(True)
+            drafting = current if any(current) else [row == first for row in range(len(active))]
+        if self.draft is not None and self.k == "auto":
+            drafting = self._worth_catching_up(drafting, k_per_row)
         if self.draft is not None and any(drafting):
-            if probing:  # a probe asks only rows whose draft cache is current (else the first drafting row)
-                current = [
-                    wants and self.draft.behind(row, s.tokens) <= LONG_TAIL
-                    for row, (wants, s) in enumerate(zip(drafting, active))
-                ]
-                first = drafting.index(True)
-                drafting = current if any(current) else [row == first for row in range(len(active))]
             started = time.perf_counter()
             k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
             batched = self.draft.propose(
@@ -402,6 +404,7 @@ class Scheduler:
                 [s.config.sampling for s in active], [s.generator for s in active], drafting,
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
+            self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
             proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
         for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
             if k > 0 and source != model:
@@ -415,6 +418,25 @@ class Scheduler:
                 proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
             trimmed.append(proposal)
         return trimmed, seconds
+
+    def _worth_catching_up(self, drafting: list[bool], k_per_row: list[int]) -> list[bool]:
+        """Rows far behind in the draft cache draft only where drafting saves them more than catching up costs.
+
+        A new sequence's draft cache is empty: its first draft feeds the whole prompt to the draft model
+        (and after plain steps, what they committed). Alone a request wins that back in a few steps; in a
+        batch whose verify pass is compute-bound drafting saves little per token, and 16 prompts fed at
+        once cost seconds. Until a catch-up has been timed, only the first such row catches up.
+        """
+        keep, measuring = list(drafting), False
+        for row, (wants, sequence, k) in enumerate(zip(drafting, self.active, k_per_row)):
+            behind = self.draft.behind(row, sequence.tokens)
+            if not wants or behind <= LONG_TAIL:
+                continue
+            pays = self.controller.catch_up_pays(behind, sequence.remaining, k, BatchedDraftModel.source, len(self.active))
+            if pays is None:
+                pays, measuring = not measuring, True
+            keep[row] = pays
+        return keep
 
     def _step(self) -> None:
         active = self.active
