@@ -21,6 +21,10 @@ The first step at a batch size b > 1 is plain (k = 0): its cost anchors what eac
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
 token) so it notices when the drafter starts to agree again; unless the costs alone rule drafting
 out (it would not pay even if every draft were accepted), when a probe could learn nothing.
+
+A draft model far behind a sequence (its prompt, or plain steps it sat out) must first catch up on
+those tokens, once. That is not the cost of a draft position, so it is kept apart (catch_up_per_token)
+and weighed by `catch_up_pays` against what drafting saves over the sequence's remaining tokens.
 """
 
 from __future__ import annotations
