@@ -147,7 +147,6 @@ class SpeculativeEngine:
             controller.observe(proposal.source, drafted, num_accepted, draft_seconds, 1 + drafted, verify_seconds)
             yield _Step(new_tokens)
 
-
     def _next_source(self, tokens: list[int]) -> str | None:
         """The drafter about to propose, when the drafter knows (a composite's lookup or model); else None."""
         next_source = getattr(self.drafter, "next_source", None)

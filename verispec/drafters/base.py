@@ -16,7 +16,7 @@ class Proposal:
     probs: torch.Tensor | None  # (1, k, V) q over the target's full vocabulary; None = point masses
     forwards: int = 0  # draft model forward passes spent on this proposal
     source: str = ""  # which drafter proposed it (a composite drafter picks one per step)
-    catch_up_seconds: float = 0.0  # of the time spent, feeding a long backlog of committed tokens (not drafting)
+    catch_up_seconds: float = 0.0  # of its time, spent feeding a long backlog of committed tokens: not drafting
 
     @property
     def num_tokens(self) -> int:

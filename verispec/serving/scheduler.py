@@ -380,7 +380,9 @@ class Scheduler:
             return int(self.k), False
         return self.controller.choose_k(batch_size, source), self.controller.probing
 
-    def _draft(self, k_per_row: list[int], sources: list[str], probing: bool) -> tuple[list[Proposal], dict[str, float]]:
+    def _draft(
+        self, k_per_row: list[int], sources: list[str], probing: bool
+    ) -> tuple[list[Proposal], dict[str, float]]:
         """Each row's proposal (trimmed to its k), and the seconds each source spent drafting (catch-up excluded)."""
         active = self.active
         proposals = [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
@@ -390,7 +392,8 @@ class Scheduler:
         if self.draft is not None and any(drafting) and probing:
             # A probe asks only rows whose draft cache is current (else the first drafting row).
             current = [
-                wants and self.draft.behind(row, s.tokens) <= LONG_TAIL for row, (wants, s) in enumerate(zip(drafting, active))
+                wants and self.draft.behind(row, s.tokens) <= LONG_TAIL
+                for row, (wants, s) in enumerate(zip(drafting, active))
             ]
             first = drafting.index(True)
             drafting = current if any(current) else [row == first for row in range(len(active))]
@@ -409,7 +412,9 @@ class Scheduler:
         for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
             if k > 0 and source != model:
                 started = time.perf_counter()
-                proposals[row] = sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator)
+                proposals[row] = sequence.drafter.propose(
+                    sequence.tokens, k, sequence.config.sampling, sequence.generator
+                )
                 seconds[source] = seconds.get(source, 0.0) + time.perf_counter() - started
         trimmed = []  # a row near its max_tokens keeps only drafts it can still use
         for proposal, k in zip(proposals, k_per_row):
@@ -432,7 +437,9 @@ class Scheduler:
             behind = self.draft.behind(row, sequence.tokens)
             if not wants or behind <= LONG_TAIL:
                 continue
-            pays = self.controller.catch_up_pays(behind, sequence.remaining, k, BatchedDraftModel.source, len(self.active))
+            pays = self.controller.catch_up_pays(
+                behind, sequence.remaining, k, BatchedDraftModel.source, len(self.active)
+            )
             if pays is None:
                 pays, measuring = not measuring, True
             keep[row] = pays
