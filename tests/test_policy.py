@@ -107,6 +107,19 @@ def test_k_follows_the_source_that_will_draft():
     assert controller.choose_k(source="never-seen") == controller.settings.first_k  # unmeasured: try it
 
 
+def test_a_source_drafting_for_few_rows_of_a_batch_pays_for_the_whole_width():
+    """Every row of the verify pass is padded to the longest draft, but only drafting rows gain tokens."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    controller.verify_cost = {16: 0.2, 32: 0.3, 48: 0.4, 64: 0.5, 80: 0.6}
+    averages = controller._source("suffix-index")
+    averages.alpha, averages.draft_cost, averages.reached = [0.9] * 4, {16: 0.0001}, [10] * 4
+    assert controller.choose_k(16, "suffix-index") >= 2  # all 16 rows draft: 1 + ~3 tokens each for 3x the cost
+    assert controller.choose_k(16, "suffix-index", drafting_rows=16) == controller.choose_k(16, "suffix-index")
+    assert controller.choose_k(16, "suffix-index", drafting_rows=2) == 0  # 2 rows gain, 16 pay
+    rate = controller.expected_rate(2, averages, 16, drafting_rows=4)
+    assert rate == pytest.approx((1 + 0.25 * (0.9 + 0.81)) / (2 * 0.0001 + 0.4))
+
+
 def test_plain_cost_is_unknown_until_measured():
     controller = AdaptiveController()
     assert controller.plain_seconds_per_token() is None

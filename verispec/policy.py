@@ -86,25 +86,32 @@ class AdaptiveController:
         """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
         return _interpolate(self.verify_cost, tokens)
 
-    def expected_rate(self, k: int, averages: _Averages, batch_size: int = 1) -> float | None:
-        """Expected tokens per second per sequence with k drafts, or None before the costs were measured."""
+    def expected_rate(
+        self, k: int, averages: _Averages, batch_size: int = 1, drafting_rows: int | None = None
+    ) -> float | None:
+        """Expected tokens per second per sequence with k drafts, or None before the costs were measured.
+
+        drafting_rows: how many of the batch's sequences draft (None: all). The verify pass is as wide
+        for every row (rows are padded to the longest draft), but only drafting rows gain tokens.
+        """
         verify = self._verify_seconds(batch_size * (k + 1))
         draft = _interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
         if verify is None or draft is None:
             return None
-        tokens, reach = 1.0, 1.0
+        extra, reach = 0.0, 1.0
         acceptance = averages.acceptance()
         for i in range(k):
             reach *= acceptance[i]
-            tokens += reach
-        return tokens / (draft * k + verify)
+            extra += reach
+        share = 1.0 if drafting_rows is None else drafting_rows / batch_size
+        return (1.0 + share * extra) / (draft * k + verify)
 
-    def choose_k(self, batch_size: int = 1, source: str | None = None) -> int:
+    def choose_k(self, batch_size: int = 1, source: str | None = None, drafting_rows: int | None = None) -> int:
         """k for the next step of `batch_size` sequences decoded together (0 = plain decoding).
 
         source: the drafter that will propose (a composite drafter knows before it drafts: lookup when
         the context recurs, else its draft model), whose acceptance and cost then decide; None = the
-        source seen most in recent steps.
+        source seen most in recent steps. drafting_rows: how many of the sequences it drafts for (None: all).
         """
         self.probing = False
         if source is None:
@@ -117,12 +124,14 @@ class AdaptiveController:
             k = self.settings.first_k
         else:
             averages = self._source(source)
-            rates = [(self.expected_rate(k, averages, batch_size), k) for k in range(self.settings.k_max + 1)]
+            rates = [
+                (self.expected_rate(k, averages, batch_size, drafting_rows), k) for k in range(self.settings.k_max + 1)
+            ]
             if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
                 k = self.settings.first_k
             else:
                 k = max(rates)[1]
-            if k == 0 and self._could_pay(averages, batch_size):
+            if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 self.plain_streak += 1
                 # A probe drafts for every sequence in the batch, so a big batch probes less often.
                 if self.plain_streak >= self.settings.probe_every * batch_size:
@@ -134,7 +143,7 @@ class AdaptiveController:
         self.chosen[k] += 1
         return k
 
-    def _could_pay(self, averages: _Averages, batch_size: int) -> bool:
+    def _could_pay(self, averages: _Averages, batch_size: int, drafting_rows: int | None = None) -> bool:
         """Would drafting beat plain decoding here if every draft were accepted?
 
         When not (a batch so large that verifying extra tokens costs more than they can bring),
@@ -142,7 +151,9 @@ class AdaptiveController:
         """
         perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost, [MIN_REACHED] * self.settings.k_max)
         plain = self.expected_rate(0, perfect, batch_size)
-        rates = [self.expected_rate(k, perfect, batch_size) or 0.0 for k in range(1, self.settings.k_max + 1)]
+        rates = [
+            self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, self.settings.k_max + 1)
+        ]
         return max(rates) > (plain or 0.0)
 
     def observe(

@@ -372,13 +372,13 @@ class Scheduler:
             s.drafter.source if s.drafter.can_propose(s.tokens) else BatchedDraftModel.source for s in self.active
         ]
 
-    def _choose_k(self, batch_size: int, source: str) -> tuple[int, bool]:
-        """k for the rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
+    def _choose_k(self, batch_size: int, source: str, rows: int) -> tuple[int, bool]:
+        """k for the `rows` rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
         if self.drafter == "none":
             return 0, False
         if self.k != "auto":
             return int(self.k), False
-        return self.controller.choose_k(batch_size, source), self.controller.probing
+        return self.controller.choose_k(batch_size, source, rows), self.controller.probing
 
     def _draft(
         self, k_per_row: list[int], sources: list[str], probing: bool
@@ -450,7 +450,8 @@ class Scheduler:
         n = len(active)
         started = time.perf_counter()
         sources = self._sources()
-        choices = {source: self._choose_k(n, source) for source in dict.fromkeys(sources)}  # source -> (k, probe)
+        rows = collections.Counter(sources)
+        choices = {source: self._choose_k(n, source, rows[source]) for source in rows}  # source -> (k, probe)
         k_per_row = [max(0, min(choices[source][0], s.remaining - 1)) for s, source in zip(active, sources)]
         proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
         verifying = time.perf_counter()
