@@ -32,6 +32,15 @@ def test_expected_rate_matches_the_formula():
     assert controller._verify_seconds(7) == pytest.approx(0.16)  # extrapolated
 
 
+def test_costs_beyond_the_measured_sizes_follow_the_widest_span():
+    controller = AdaptiveController()
+    controller.verify_cost = {1: 0.04, 15: 0.2, 16: 0.19}  # 15 and 16 differ by noise
+    assert controller._verify_seconds(120) == pytest.approx(0.19 + (0.19 - 0.04) / 15 * 104)  # not ~0.19
+    assert controller._verify_seconds(8) == pytest.approx(0.04 + (0.2 - 0.04) / 14 * 7)  # between: nearest
+    controller.verify_cost = {4: 0.3, 16: 0.2}  # noise can make more tokens look cheaper: never extrapolated
+    assert controller._verify_seconds(64) == pytest.approx(0.2)
+
+
 def test_speculates_long_when_drafts_are_right_and_cheap():
     controller = AdaptiveController(ControllerSettings(k_max=8))
     chosen = run_steps(controller, 60, 1.0, 0.01, lambda n: 0.2 + 0.005 * n)

@@ -223,7 +223,13 @@ class AdaptiveController:
 
 
 def _interpolate(table: dict[int, float], x: int) -> float | None:
-    """table[x] if measured, else a straight line through the nearest measured sizes (None if empty)."""
+    """table[x] if measured, else a straight line through measured sizes (None if empty).
+
+    Between measured sizes: the line through the two nearest. Beyond them: the line through the
+    smallest and the largest, never falling. Two neighbouring sizes (15 and 16 sequences, say) differ
+    by little more than noise, and a line through them alone once priced a 120-token verify pass
+    like a 16-token one.
+    """
     if x in table:
         return table[x]
     seen = sorted(table)
@@ -231,9 +237,11 @@ def _interpolate(table: dict[int, float], x: int) -> float | None:
         return None
     if len(seen) == 1:
         return table[seen[0]]  # a CPU forward over a few tokens costs about the same
-    below = max((n for n in seen if n < x), default=seen[0])
-    above = min((n for n in seen if n > x), default=seen[-1])
-    if below == above:
-        (below, above) = (seen[-2], seen[-1]) if x > seen[-1] else (seen[0], seen[1])
-    slope = (table[above] - table[below]) / (above - below)
-    return max(table[below] + slope * (x - below), 1e-6)
+    if seen[0] < x < seen[-1]:
+        below = max(n for n in seen if n < x)
+        above = min(n for n in seen if n > x)
+        slope = (table[above] - table[below]) / (above - below)
+        return table[below] + slope * (x - below)
+    slope = max((table[seen[-1]] - table[seen[0]]) / (seen[-1] - seen[0]), 0.0)
+    nearest = seen[-1] if x > seen[-1] else seen[0]
+    return max(table[nearest] + slope * (x - nearest), 1e-6)
