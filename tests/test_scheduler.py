@@ -112,6 +112,17 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     assert scheduler._worth_catching_up([True, False, True, True], [2, 2, 2, 1]) == [True, False, True, False]
 
 
+def test_build_scheduler_loads_the_composite_drafters_model(tiny_dir, other_tiny_dir):
+    from verispec.serving.scheduler import build_scheduler
+
+    limits = SchedulerLimits(2, 4, 128)
+    scheduler = build_scheduler(str(tiny_dir), str(other_tiny_dir), "composite", "float32", "none", limits=limits)
+    assert scheduler.draft is not None and scheduler.drafter == "composite"
+    assert build_scheduler(str(tiny_dir), None, "suffix-index", "float32", limits=limits).draft is None
+    with pytest.raises(ValueError, match="'composite' needs a draft model: pass --draft"):
+        build_scheduler(str(tiny_dir), "none", "composite", "float32", limits=limits)
+
+
 def test_sampled_rows_use_their_own_settings(target, draft):
     """A greedy row batched with sampled rows still gets its plain output; sampled rows stop at their lengths."""
     configs = [
