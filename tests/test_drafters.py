@@ -90,6 +90,21 @@ def test_composite_falls_back_when_lookup_has_nothing(target, repeating_prompt):
     assert [type(d).__name__ for d in built.drafters] == ["SuffixIndexDrafter", "DraftModelDrafter"]
 
 
+def test_a_composite_of_drafters_that_cannot_tell_leaves_the_source_to_the_controller(target):
+    class OwnLookup:  # a user's drafter: only the Drafter protocol's two methods
+        def begin(self, prompt_ids, max_length):
+            pass
+
+        def propose(self, tokens, k, params, generator):
+            return PromptLookupDrafter().propose(tokens, k, params, generator)
+
+    composite = CompositeDrafter([OwnLookup(), DraftModelDrafter(target.model, target.model.vocab_size)])
+    assert composite.next_source([1, 2, 3]) is None
+    engine = SpeculativeEngine(target, composite)
+    plain = SpeculativeEngine(target).generate("def add(a, b):", GenerationConfig(max_new_tokens=20, k=0))
+    assert engine.generate("def add(a, b):", GenerationConfig(max_new_tokens=20)).token_ids == plain.token_ids
+
+
 def test_can_propose_says_what_propose_will_find():
     tokens = [7, 8, 9, 10, 11, 7, 8]
     for drafter in (SuffixIndexDrafter(depth=8, min_match=2), PromptLookupDrafter(min_ngram=2)):

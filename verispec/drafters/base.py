@@ -29,6 +29,9 @@ class Drafter(Protocol):
     `tokens` is the whole committed sequence (prompt and generated so far). Between calls the
     engine may have rejected any suffix of the previous proposal; the drafter detects that by
     comparing with what it saw last time, so no separate rollback call is needed.
+
+    Optional, for a composite drafter's `--k auto`: a `source` name (the one its proposals carry) and
+    `can_propose(tokens) -> bool` (whether propose would find anything: lookup drafters).
     """
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:

@@ -27,12 +27,18 @@ class CompositeDrafter:
         for drafter in self.drafters:
             drafter.begin(prompt_ids, max_length)
 
-    def next_source(self, tokens: list[int]) -> str:
-        """Which drafter propose(tokens, ...) will use: the first lookup with a match, else the last drafter."""
+    def next_source(self, tokens: list[int]) -> str | None:
+        """Which drafter propose(tokens, ...) will use: the first lookup with a match, else the last drafter.
+
+        None when a drafter cannot tell (one without `can_propose` or `source`, as a user's own may be).
+        """
         for drafter in self.drafters[:-1]:
-            if drafter.can_propose(tokens):
-                return drafter.source
-        return self.drafters[-1].source
+            can_propose = getattr(drafter, "can_propose", None)
+            if can_propose is None:
+                return None
+            if can_propose(tokens):
+                return getattr(drafter, "source", None)
+        return getattr(self.drafters[-1], "source", None)
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
