@@ -69,7 +69,7 @@ def test_w4a8_kernel_gives_the_exact_integer_sums_of_the_int8_weights():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("k", [256, 100])  # 16 lanes at a time, and the one-at-a-time path
+@pytest.mark.parametrize("k", [256, 100])  # rows of a multiple of 16 inputs, and not
 def test_w4a8_activation_codes_are_the_formula(dtype, k):
     """Codes = clamp(round half to even(x / (amax / 127)), -127, 127), bit for bit, ties and NaN included."""
     w4a8.load_kernel()
