@@ -93,7 +93,12 @@ def make_drafter(
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
         fallback = CrossTokenizerDrafter(model, target)
-    return CompositeDrafter([SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH), fallback])
+    return CompositeDrafter([composite_lookup(), fallback])
+
+
+def composite_lookup() -> SuffixIndexDrafter:
+    """The lookup half of a composite drafter (the server gives each request its own, beside its batched model)."""
+    return SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH)
 
 
 def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None:
@@ -129,5 +134,6 @@ def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None
 
 __all__ = [
     "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
-    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "load_draft_model", "make_drafter",
+    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup", "load_draft_model",
+    "make_drafter",
 ]

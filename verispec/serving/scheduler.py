@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import torch
 
-from verispec.drafters import COMPOSITE_MIN_MATCH, SuffixIndexDrafter, make_drafter
+from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
@@ -359,8 +359,7 @@ class Scheduler:
             self.draft.add(row)  # filled when the sequence first drafts
         if self.drafter in ("prompt-lookup", "suffix-index", "composite"):  # lookup state is per sequence
             sequence.drafter = (
-                SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH) if self.drafter == "composite"
-                else make_drafter(self.drafter, self.target)
+                composite_lookup() if self.drafter == "composite" else make_drafter(self.drafter, self.target)
             )
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
 
