@@ -61,9 +61,10 @@ def test_w4a8_kernel_gives_the_exact_integer_sums_of_the_int8_weights():
     weight[3, 5] = 40.0  # an outlier: its row's other groups get small multipliers
     int8, scale, packed = w4a8.quantize(weight.to(torch.bfloat16))
     assert packed.shape == (4, 4, 288)
-    xq = torch.randint(-127, 128, (3, 128), generator=generator, dtype=torch.int8)
-    exact = (xq.long() @ int8.long().T).float() * scale  # (3, 64): integer sums are exact in int64
-    assert torch.equal(w4a8.matmul(xq, packed, scale), exact)
+    xq = torch.randint(-127, 128, (11, 128), generator=generator, dtype=torch.int8)
+    exact = (xq.long() @ int8.long().T).float() * scale  # (11, 64): integer sums are exact in int64
+    for rows in range(1, 12):  # every pass size of the kernel, and a pass of 8 followed by a shorter one
+        assert torch.equal(w4a8.matmul(xq[:rows], packed, scale), exact[:rows]), f"{rows} rows"
     error = (int8.float() * scale[:, None] - weight).norm() / weight.norm()
     assert error < 0.12, f"4-bit relative error {error:.4f}"
 

@@ -48,18 +48,22 @@ inline __m512i dot_broadcast(__m512i acc, __m512i weights, const int8_t* p) {
   return acc;
 }
 
-// One block of 16 output columns for `Rows` rows. xq: (Rows, K) int8; sums: (Rows, G) int32 holding
-// each group's activation sum S as S * 2^16 + 2^15 - 8 S (see group_sums).
+// One block of 16 output columns for `Rows` rows. xq: (G, Rows, 32) int8, each group's activations
+// of every row side by side (see interleave); sums: (G, Rows) int32 holding each group's activation
+// sum S as S * 2^16 + 2^15 - 8 S (see group_sums). One pointer per group: every row's operand is a
+// fixed displacement from it.
 template <int Rows>
-void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64_t k, const int32_t* sums,
-                  __m512i* totals) {
+void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const int32_t* sums, __m512i* totals) {
   __m512i acc[Rows];
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi32(0x8000);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = packed + g * kBlockBytes;
-    for (int line = 0; line < kBlockBytes; line += 64) {  // a few blocks ahead: the stream is memory-bound
+    for (int line = 0; line < kBlockBytes; line += 64) {  // ahead into L1 and further ahead into L2
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kPrefetchBytes + line), _MM_HINT_T1);
     }
     __m512i w[8];
     for (int j = 0; j < 4; ++j) {
@@ -71,21 +75,29 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, int64
     const __m512i multiplier = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleBytes)));
     const __m512i offset = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleBytes + kCols)));
     const __m512i factors = _mm512_or_si512(multiplier, _mm512_slli_epi32(offset, 16));
-    for (int r = 0; r < Rows; ++r) {
-      const int8_t* xg = xq + r * k + g * kGroup;
-      // sum_k (q + 8) * xq from S * 2^16 + 2^15 - 8 S leaves S * 2^16 + 2^15 + dot, dot = sum_k q * xq;
-      // |dot| <= 32 * 8 * 127 < 2^15, so the high 16 bits hold S and the low 16 bits dot + 2^15.
-      __m512i dot = dot_broadcast(_mm512_set1_epi32(sums[r * groups + g]), w[0], xg);
-      for (int j = 1; j < 8; ++j) dot = dot_broadcast(dot, w[j], xg + 4 * j);
-      // Flipping bit 15 makes the low half dot as a signed 16-bit number; vpdpwssd by (m, o) then adds
-      // m * dot + o * S.
-      acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_xor_si512(dot, _mm512_set1_epi32(0x8000)), factors);
+    const int8_t* xg = xq + g * Rows * kGroup;
+    const int32_t* sg = sums + g * Rows;
+    // sum_k (q + 8) * xq from S * 2^16 + 2^15 - 8 S leaves S * 2^16 + 2^15 + dot, dot = sum_k q * xq;
+    // |dot| <= 32 * 8 * 127 < 2^15, so the high 16 bits hold S and the low 16 bits dot + 2^15. The rows'
+    // chains interleave, so that independent dot products sit side by side for the out-of-order core.
+    __m512i dot[Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) dot[r] = dot_broadcast(_mm512_set1_epi32(sg[r]), w[0], xg + r * kGroup);
+#pragma GCC unroll 8
+    for (int j = 1; j < 8; ++j) {
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) dot[r] = dot_broadcast(dot[r], w[j], xg + r * kGroup + 4 * j);
     }
+    // Flipping bit 15 makes the low half dot as a signed 16-bit number; vpdpwssd by (m, o) then adds
+    // m * dot + o * S.
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_xor_si512(dot[r], flip), factors);
   }
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) totals[r] = acc[r];
 }
 
-using BlockFunction = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, __m512i*);
+using BlockFunction = void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, __m512i*);
 constexpr BlockFunction kBlockFunctions[kRowsPerPass] = {column_block<1>, column_block<2>, column_block<3>,
                                                          column_block<4>, column_block<5>, column_block<6>,
                                                          column_block<7>, column_block<8>};
@@ -126,18 +138,36 @@ struct Epilogue {
   }
 };
 
+// Passes of up to 8 rows, each laid out as column_block reads it: xq (M, K) -> (passes: G, rows, 32),
+// sums (M, G) -> (passes: G, rows).
+void interleave(const int8_t* xq, const int32_t* sums, int64_t rows, int64_t groups, int8_t* xq_out,
+                int32_t* sums_out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    const int64_t count = std::min<int64_t>(kRowsPerPass, rows - r0);
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t r = 0; r < count; ++r) {
+        std::memcpy(xq_out + (r0 * groups + g * count + r) * kGroup, xq + ((r0 + r) * groups + g) * kGroup, kGroup);
+        sums_out[r0 * groups + g * count + r] = sums[(r0 + r) * groups + g];
+      }
+    }
+  }
+}
+
 // xq: (M, K) int8, sums: (M, K / 32) from group_sums, packed: (N / 16, K / 32, 288): every row's
 // 16-column blocks, stored through the epilogue. Up to 8 rows share one read of the weights.
 void run_kernel(const int8_t* xq, const int32_t* sums, int64_t rows, int64_t k, const uint8_t* packed,
                 int64_t column_blocks, const Epilogue& epilogue) {
   const int64_t groups = k / kGroup;
+  std::vector<int8_t> xq_passes(rows * k);
+  std::vector<int32_t> sums_passes(rows * groups);
+  interleave(xq, sums, rows, groups, xq_passes.data(), sums_passes.data());
   at::parallel_for(0, column_blocks, 1, [&](int64_t begin, int64_t end) {
     __m512i totals[kRowsPerPass];
     for (int64_t cb = begin; cb < end; ++cb) {
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         const int64_t count = std::min<int64_t>(kRowsPerPass, rows - r0);
-        kBlockFunctions[count - 1](packed + cb * groups * kBlockBytes, groups, xq + r0 * k, k, sums + r0 * groups,
-                                   totals);
+        kBlockFunctions[count - 1](packed + cb * groups * kBlockBytes, groups, xq_passes.data() + r0 * k,
+                                   sums_passes.data() + r0 * groups, totals);
         for (int64_t r = 0; r < count; ++r) epilogue.store(r0 + r, cb * kCols, totals[r]);
       }
     }
