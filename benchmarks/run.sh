@@ -164,6 +164,24 @@ fast_kernels() {  # the default target (auto) against llama.cpp at 1, 4 and 16 c
     fi
 }
 
+prefill() {  # issue 12 items 4-5: prefix reuse and chunked prefill, each against the server without it.
+    local out=benchmarks/chunked-prefill
+    local S="--drafter none --threads 2 --max-batch-size 16 --max-context 2048"
+    # A 1,000-token system prompt shared by every request (the support policy, then one of the chat questions).
+    $V bench-serve \
+        --server prefix-cache=http://127.0.0.1:8601/v1 --start "prefix-cache=$V serve --port 8601 $S" \
+        --server no-prefix-cache=http://127.0.0.1:8602/v1 --start "no-prefix-cache=$V serve --port 8602 --prefix-cache-mb 0 $S" \
+        --workload benchmarks/workloads/support-system-prompt.jsonl --limit 16 --concurrency 1,4 --requests 8,8 \
+        --max-tokens 64 --out $out/system-prompt || true
+    # A burst of 16 requests at once: each prompt in turn and streaming, or every prompt before any token.
+    $V bench-serve \
+        --server chunked=http://127.0.0.1:8603/v1 --start "chunked=$V serve --port 8603 $S" \
+        --server whole=http://127.0.0.1:8604/v1 --start "whole=$V serve --port 8604 --no-chunked-prefill $S" \
+        --workload humaneval --limit 16 --concurrency 4,16 --requests 8,16 --max-tokens 128 --out $out/humaneval || true
+    # A 2,000-token prompt arriving while 4 streams decode.
+    .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission
+}
+
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve peers)
 for section in "${sections[@]}"; do

@@ -78,7 +78,9 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
 
 def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target):
     """In one batch a row whose text recurs drafts from its suffix index, the others from the draft model."""
-    scheduler = Scheduler(target, target.model, "composite", k=3, limits=SchedulerLimits(3, 8, 256))
+    scheduler = Scheduler(
+        target, target.model, "composite", k=3, limits=SchedulerLimits(3, 8, 256), chunked_prefill=False
+    )  # every prompt goes in at the first _admit
     for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()
@@ -95,7 +97,9 @@ def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target)
 
 def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(target):
     """A new row's first draft feeds its prompt to the draft model: worth it alone, not in a costly batch."""
-    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
+    scheduler = Scheduler(
+        target, target.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256), chunked_prefill=False
+    )  # every prompt goes in at the first _admit
     for prompt, max_new_tokens in zip(PROMPTS[:3] + PROMPTS[4:5], (40, 40, 40, 2)):
         scheduler.submit(target.encode(prompt) * 2, GenerationConfig(max_new_tokens=max_new_tokens))
     scheduler._admit()
@@ -230,7 +234,9 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
 
 def test_a_probe_in_a_big_batch_does_not_fill_stale_draft_caches(target, draft, monkeypatch):
     """After plain steps, a k = 1 probe asks only rows whose draft cache is current."""
-    scheduler = Scheduler(target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
+    scheduler = Scheduler(
+        target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256), chunked_prefill=False
+    )  # every prompt goes in at the first _admit
     for prompt in PROMPTS[:4]:
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from verispec.cli import main
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import LoadedModel
+from verispec.models.transformer import PREFILL_CHUNK
 from verispec.serving.app import create_app
 from verispec.serving.metrics import ServerMetrics
 from verispec.serving.protocol import validation_error
@@ -151,7 +152,29 @@ def test_completion_greedy_equals_library(client, target):
     assert response.usage.prompt_tokens == len(target.encode(prompt))
     assert response.usage.completion_tokens == len(expected.token_ids)
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # shorter than a prefix cache block
     check_speculative(response.model_extra["speculative"], len(expected.token_ids))
+
+
+def test_a_shared_long_prefix_is_reused_and_the_output_stays_the_librarys(client, target, server):
+    system = " ".join(f"{WORDS[i % len(WORDS)]} {i}" for i in range(60))  # ~200 tokens, shared by both requests
+    assert len(target.encode(system)) > 2 * PREFILL_CHUNK
+    before = scrape(server)
+    responses = []
+    for question in ("def add(a, b):", "class Point:"):
+        prompt = system + "\n" + question
+        expected = library(target, prompt, 12)
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert response.choices[0].text == expected.text
+        responses.append(response)
+    assert responses[0].usage.prompt_tokens_details.cached_tokens == 0
+    cached = responses[1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 2 * PREFILL_CHUNK and cached % PREFILL_CHUNK == 0
+    assert responses[1].model_extra["speculative"]["cached_prompt_tokens"] == cached
+    after = scrape(server)
+    hits = ("verispec_prefix_cache_tokens_total", (("result", "hit"),))
+    assert after[hits] - before.get(hits, 0.0) == cached
+    assert after[("verispec_prefix_cache_bytes", ())] > 0
 
 
 def test_chat_greedy_equals_library(client, target):

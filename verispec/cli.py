@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="queued requests beyond this are refused with HTTP 429")
     serve.add_argument("--max-context", type=_positive_int, default=defaults.max_context,
                        help="prompt + max_tokens per request (lowered to the model's context)")
+    serve.add_argument("--prefix-cache-mb", type=_non_negative_int, default=defaults.prefix_cache_bytes >> 20,
+                       help="memory for the keys and values of prompt prefixes that requests share (a system "
+                       "prompt, a chat history), reused instead of prefilled again; 0 turns it off")
+    serve.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="while others decode, a prompt goes in by chunks that take its fair share of each step "
+                       "(default); --no-chunked-prefill puts every waiting prompt in whole before the next step")
     serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                        help="larger request bodies are refused with HTTP 413")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
@@ -259,11 +265,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     drafter = "none" if args.drafter == "draft-model" and args.draft.lower() == "none" else args.drafter
     metrics = ServerMetrics()
-    limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context)
+    limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context, args.prefix_cache_mb << 20)
     try:  # the models are loaded and run in one thread of their own (see start_in_model_thread)
         scheduler = start_in_model_thread(lambda: build_scheduler(
             args.target, args.draft if drafter in MODEL_DRAFTERS else None, drafter, args.dtype, args.draft_quantize,
             args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
+            chunked_prefill=args.chunked_prefill,
         ), args.threads)
     except BaseException:
         sock.close()

@@ -105,9 +105,7 @@ class SpeculativeEngine:
 
         # 0. Prefill: all prompt tokens but the last go into both caches.
         started = time.perf_counter()
-        if len(prompt_ids) > 1:
-            target.forward(torch.tensor([prompt_ids[:-1]]), cache, last_only=True)
-            cache.commit(len(prompt_ids) - 1)
+        target.prefill(prompt_ids[:-1], cache)
         if self.drafter is not None:
             self.drafter.begin(prompt_ids, max_length)
         stats.prefill_seconds += time.perf_counter() - started

@@ -59,7 +59,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 # heads over 520 keys, AMD EPYC, 2 threads), so torch attention runs in float32, which is also the more
 # exact. Passes of a few tokens attend one query at a time in verispec's kernel where it runs (23 us).
 ATTENTION_DTYPE = torch.float32
-INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs (prompt prefill) take one masked attention call
+INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs take one masked attention call
+# A prompt goes in by forwards that end at multiples of this many positions (see Transformer.prefill):
+# each chunk is then the same computation however the prompt arrived, whole, in pieces between decode
+# steps, or after a cached prefix, so its keys, values and logits are the same bits every way.
+PREFILL_CHUNK = INVARIANT_ATTENTION_MAX_ROWS
 
 
 def _visible_slots(plan: WritePlan, mask: torch.Tensor | None) -> list[list[int | torch.Tensor]]:
@@ -315,6 +319,29 @@ class Transformer:
             )  # (B, T, S)
             visible = (new_index[:, None, :] < 0) | (in_new[:, None, :] & gathered)
         return visible[:, None]
+
+    def prefill(self, token_ids: list[int], cache: KVCache, max_tokens: int | None = None) -> int:
+        """Feed token_ids after the committed prefix of a one-row cache and commit them; returns how many.
+
+        No forward crosses a multiple of PREFILL_CHUNK positions. A prefill split at such multiples
+        (after a cached prefix's blocks, or by max_tokens) runs the very forwards of the
+        whole-prompt prefill, so it gives the same keys, values and logits, bit for bit, in any
+        weight format; a batch-invariant model gives them for a split anywhere. With max_tokens,
+        feeds at most that many (the caller feeds the rest later, from where this stopped).
+        """
+        if cache.batch_size != 1:
+            raise ValueError(f"prefill feeds one row, got a cache of {cache.batch_size}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        start = int(cache.lengths[0])
+        end = start + len(token_ids) if max_tokens is None else start + min(len(token_ids), max_tokens)
+        position = start
+        while position < end:
+            stop = min((position // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end)
+            self.forward(torch.tensor([token_ids[position - start : stop - start]]), cache, last_only=True)
+            cache.commit(stop - position)
+            position = stop
+        return position - start
 
     @torch.inference_mode()
     def forward(

@@ -310,6 +310,7 @@ def usage(event: SequenceEvent) -> dict:
     return {
         "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
     }
 
 

@@ -69,6 +69,12 @@ class ServerMetrics:
             registry=registry,
         )
         self._active = Gauge("verispec_requests_active", "requests being decoded", registry=registry)
+        # Prefix reuse.
+        self._prefix_tokens = Counter(
+            "verispec_prefix_cache_tokens", "prompt tokens looked up in the prefix cache: hit (keys and values "
+            "reused) or miss (prefilled)", ["result"], registry=registry,
+        )
+        self._prefix_bytes = Gauge("verispec_prefix_cache_bytes", "memory the prefix cache holds", registry=registry)
         self._waiting = Gauge("verispec_requests_waiting", "requests queued for a batch slot", registry=registry)
 
     # -- called by the scheduler (its thread) -----------------------------------------------------
@@ -106,6 +112,11 @@ class ServerMetrics:
         """completion_tokens is already counted, token by token, through tokens_generated."""
         self._requests_finished.labels(finish_reason=finish_reason).inc()
         self._prompt_tokens.inc(prompt_tokens)
+
+    def prefix_lookup(self, hit_tokens: int, missed_tokens: int, cache_bytes: int) -> None:
+        self._prefix_tokens.labels(result="hit").inc(hit_tokens)
+        self._prefix_tokens.labels(result="miss").inc(missed_tokens)
+        self._prefix_bytes.set(cache_bytes)
 
     def set_queue(self, active: int, waiting: int) -> None:
         self._active.set(active)

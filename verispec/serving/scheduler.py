@@ -1,7 +1,9 @@
 """Continuous batching: every active request advances by one speculative step per batched target forward.
 
 One thread owns the models. Each iteration it
-  1. admits waiting requests into free cache rows (prefilling their prompts) and drops cancelled ones,
+  1. admits waiting requests into free cache rows, one prompt at a time: after the longest prefix whose
+     keys and values the prefix cache holds, the rest of the prompt goes in whole when nothing decodes,
+     else in chunks that take the prompts' share of each step (chunked prefill); drops cancelled ones,
   2. asks the controller for k given the batch size and the drafter, drafts k tokens for every active
      sequence (one batched draft forward per position, or each sequence's model-free drafter; composite:
      each sequence's suffix index where its context recurs, the batched draft model for the rest),
@@ -34,10 +36,11 @@ from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
-from verispec.models.transformer import Transformer
+from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import logits_to_probs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.serving.prefix_cache import PrefixCache
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
 
@@ -54,6 +57,7 @@ class SchedulerLimits:
     max_batch_size: int = 16  # sequences decoded together; later requests wait in a queue
     max_waiting: int = 256  # queued requests beyond this are refused (HTTP 429)
     max_context: int = 4096  # prompt + max_new_tokens per sequence (each KV cache row holds this many)
+    prefix_cache_bytes: int = 1 << 30  # keys and values of shared prompt prefixes kept for reuse; 0: none
 
 
 class QueueFullError(RuntimeError):
@@ -63,6 +67,7 @@ class QueueFullError(RuntimeError):
 @dataclass
 class SequenceStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     completion_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -80,6 +85,7 @@ class SequenceStats:
 
     def to_dict(self) -> dict:
         return {
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
@@ -156,6 +162,7 @@ class _Sequence:
     drafter: Drafter | None = None  # a model-free drafter of its own (the draft model is shared, batched)
     stats: SequenceStats = field(default_factory=SequenceStats)
     last_emit: float = 0.0
+    prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
 
     @property
     def generated(self) -> int:
@@ -176,6 +183,7 @@ class Scheduler:
         k_max: int = 8,
         limits: SchedulerLimits = SchedulerLimits(),
         metrics: "ServerMetrics | None" = None,
+        chunked_prefill: bool = True,
     ) -> None:
         if drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
@@ -190,6 +198,8 @@ class Scheduler:
         for name in ("max_batch_size", "max_waiting", "max_context"):
             if getattr(limits, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
+        if limits.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {limits.prefix_cache_bytes}")
         model_context = target.model.config.max_position_embeddings
         if limits.max_context > model_context:
             raise ValueError(
@@ -201,16 +211,21 @@ class Scheduler:
         self.k_max = k_max if k == "auto" else max(int(k), 1)
         self.limits = limits
         self.metrics = metrics
+        self.chunked_prefill = chunked_prefill  # False: every waiting prompt goes in whole before the next step
         self.controller = AdaptiveController(ControllerSettings(k_max=self.k_max))
         # Room for the verify pass's draft tokens after the longest sequence.
         capacity = limits.max_context + self.k_max + 2
         self.cache = target.model.new_cache(limits.max_batch_size, capacity)
+        self.prefix_cache = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         self.draft = (
             BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
             if draft_model is not None
             else None
         )
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
+        self._prefilling: _Sequence | None = None  # the prompt going in, in row len(active)
+        self._step_seconds: float | None = None  # moving average of a decoding step
+        self._prefill_token_seconds: float | None = None  # moving average of a prompt token's prefill
         self._waiting: collections.deque[_Sequence] = collections.deque()  # submitted, not yet admitted
         self._lock = threading.Lock()  # guards _waiting and the admission check
         self._wakeup = threading.Event()
@@ -222,7 +237,8 @@ class Scheduler:
 
     @property
     def num_active(self) -> int:
-        return len(self.active)
+        """Requests holding a cache row: decoding, or their prompt going in."""
+        return len(self.active) + (self._prefilling is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -279,7 +295,7 @@ class Scheduler:
             stats=SequenceStats(prompt_tokens=len(prompt_ids)),
         )
         with self._lock:
-            free_rows = self.limits.max_batch_size - len(self.active)
+            free_rows = self.limits.max_batch_size - self.num_active
             if self.num_waiting >= self.limits.max_waiting + max(free_rows, 0):
                 raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
             self._waiting.append(sequence)
@@ -294,10 +310,14 @@ class Scheduler:
             try:
                 self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
                 self._drop_cancelled_waiting()
+                if self._prefilling is not None and self._prefilling.handle.cancelled.is_set():
+                    self._finish(self._prefilling, "cancelled")
+                    self._prefilling = None
                 self._admit()
                 if not self.active:
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
+                    if self._prefilling is None:
+                        self._wakeup.wait(timeout=0.5)
+                        self._wakeup.clear()
                     continue
                 self._step()
             except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
@@ -325,36 +345,83 @@ class Scheduler:
             self._finish(sequence, "cancelled")
 
     def _fail_active(self, message: str) -> None:
-        """End every active sequence with an error event; their rows are simply reused."""
-        for sequence in self.active:
+        """End every active sequence (and the prompt going in) with an error event; their rows are simply reused."""
+        for sequence in self.active + ([self._prefilling] if self._prefilling is not None else []):
             sequence.handle._put(SequenceEvent("", [], "error", dataclasses.replace(sequence.stats), message))
             if self.metrics is not None:
                 self.metrics.request_finished("error", sequence.stats.prompt_tokens, sequence.stats.completion_tokens)
-        self.active = []
+        self.active, self._prefilling = [], None
         self._report_queue()
 
     def _admit(self) -> None:
-        while len(self.active) < self.limits.max_batch_size:
-            with self._lock:
-                if not self._waiting:
+        """Prompts go in one at a time, first come first served, in row len(active) (chunked prefill).
+
+        With nothing decoding, a prompt goes in whole. Else it gets the prompts' share of this step
+        (see prefill_budget) and the rest in later steps, so the active streams keep flowing while a
+        long prompt goes in, and a request starts decoding (its first token comes with the next
+        step) as soon as its own prompt is in. Without chunked_prefill, every waiting prompt goes in
+        whole before the next step.
+        """
+        while True:
+            if self._prefilling is None:
+                if len(self.active) >= self.limits.max_batch_size:
                     break
-                sequence = self._waiting.popleft()
-            if sequence.handle.cancelled.is_set():
-                self._finish(sequence, "cancelled")
-                continue
-            row = len(self.active)
-            self._prefill(row, sequence)
-            self.active.append(sequence)
+                with self._lock:
+                    if not self._waiting:
+                        break
+                    sequence = self._waiting.popleft()
+                if sequence.handle.cancelled.is_set():
+                    self._finish(sequence, "cancelled")
+                    continue
+                self._start_prefill(sequence)
+            sequence = self._prefilling
+            decoding = len(self.active)
+            prompt = sequence.prompt_ids[:-1]
+            started = time.perf_counter()
+            fed = self.target.model.prefill(
+                prompt[sequence.prefilled :], self.cache.rows(decoding, decoding + 1),
+                self._prefill_budget(sequence) if decoding and self.chunked_prefill else None,
+            )
+            if fed:
+                self._prefill_token_seconds = _moving_average(
+                    self._prefill_token_seconds, (time.perf_counter() - started) / fed
+                )
+            sequence.prefilled += fed
+            if sequence.prefilled < len(prompt):
+                break  # the rest after the next step
+            self._prefilling = None
+            self._begin_decoding(decoding, sequence)
+            if decoding and self.chunked_prefill:
+                break  # one prompt per step while others decode
         self._report_queue()
 
-    def _prefill(self, row: int, sequence: _Sequence) -> None:
-        """All prompt tokens but the last into the row's target (and draft) cache."""
-        prompt = sequence.prompt_ids
+    def _prefill_budget(self, sequence: _Sequence) -> int:
+        """Prompt tokens to feed this step while others decode: prefill_budget's, on chunk boundaries where
+        the model is not batch-invariant (see Transformer.prefill)."""
+        tokens = prefill_budget(self._step_seconds, self._prefill_token_seconds, 1 + self.num_waiting, len(self.active))
+        if not self.target.model.batch_invariant:  # end on a chunk boundary
+            end = -(-(sequence.prefilled + tokens) // PREFILL_CHUNK) * PREFILL_CHUNK
+            tokens = end - sequence.prefilled
+        return tokens
+
+    def _start_prefill(self, sequence: _Sequence) -> None:
+        """Give the sequence row len(active), holding the longest prefix of its prompt the prefix cache has."""
+        row = len(self.active)
         self.cache.lengths[row] = 0
-        if len(prompt) > 1:
+        if self.prefix_cache is not None:
             view = self.cache.rows(row, row + 1)
-            self.target.model.forward(torch.tensor([prompt[:-1]]), view, last_only=True)
-            view.commit(len(prompt) - 1)
+            sequence.prefilled = self.prefix_cache.load(sequence.prompt_ids[:-1], view)
+            sequence.stats.cached_prompt_tokens = sequence.prefilled
+        self._prefilling = sequence
+
+    def _begin_decoding(self, row: int, sequence: _Sequence) -> None:
+        """The prompt is in (all but its last token): offer it to the prefix cache, set up drafting, decode."""
+        prompt = sequence.prompt_ids
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt[:-1], self.cache.rows(row, row + 1))
+            if self.metrics is not None:
+                reused = sequence.stats.cached_prompt_tokens
+                self.metrics.prefix_lookup(reused, len(prompt) - 1 - reused, self.prefix_cache.nbytes)
         if self.draft is not None:
             self.draft.add(row)  # filled when the sequence first drafts
         if self.drafter in ("prompt-lookup", "suffix-index", "composite"):  # lookup state is per sequence
@@ -362,6 +429,7 @@ class Scheduler:
                 composite_lookup() if self.drafter == "composite" else make_drafter(self.drafter, self.target)
             )
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
+        self.active.append(sequence)
 
     def _sources(self) -> list[str]:
         """Which drafter proposes for each active row this step (composite: lookup where the context recurs)."""
@@ -495,6 +563,7 @@ class Scheduler:
             finish_reason = self._emit(sequence, tokens, finished_at)
             if finish_reason is not None:
                 done.append((sequence, finish_reason))
+        self._step_seconds = _moving_average(self._step_seconds, finished_at - started)
         if self.metrics is not None:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
         for sequence, reason in done:
@@ -543,6 +612,8 @@ class Scheduler:
                 self.cache.move_row(old, row)
                 if self.draft is not None:
                     self.draft.move(old, row)
+        if self._prefilling is not None and len(survivors) != len(self.active):  # its row follows the active ones
+            self.cache.move_row(len(self.active), len(survivors))
         self.active = survivors
         self._report_queue()
 
@@ -557,6 +628,30 @@ class Scheduler:
     def _report_queue(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue(len(self.active), self.num_waiting)
+
+
+# While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
+# among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
+PREFILL_MIN_SHARE = 0.75
+
+
+def prefill_budget(step_seconds: float | None, token_seconds: float | None, prompts: int, decoding: int) -> int:
+    """Prompt tokens to feed in one step while `decoding` sequences decode and `prompts` prompts wait to go in.
+
+    Requests share the model's time evenly, the waiting ones at least PREFILL_MIN_SHARE of a decoding
+    step: a step's prefill lasts max(prompts / decoding, PREFILL_MIN_SHARE) decoding steps
+    (step_seconds, measured) at token_seconds a prompt token (measured). So a burst of new requests
+    goes in quickly, and one long prompt slows the streams by 1.75x at most. Until both costs are
+    measured, one chunk.
+    """
+    if step_seconds is None or token_seconds is None:
+        return PREFILL_CHUNK
+    share = max(prompts / decoding, PREFILL_MIN_SHARE)
+    return max(1, int(step_seconds * share / token_seconds))
+
+
+def _moving_average(average: float | None, value: float, weight: float = 0.2) -> float:
+    return value if average is None else (1 - weight) * average + weight * value
 
 
 def start_in_model_thread(build: Callable[[], Scheduler], threads: int | None = None) -> Scheduler:
@@ -605,6 +700,7 @@ def build_scheduler(
     metrics: "ServerMetrics | None" = None,
     progress: bool = False,
     quantize: str = "auto",
+    chunked_prefill: bool = True,
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them."""
     from verispec.drafters import load_draft_model
@@ -618,8 +714,7 @@ def build_scheduler(
         if draft is None or draft.lower() == "none":
             raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
         draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress).model
-    limits = SchedulerLimits(
-        limits.max_batch_size, limits.max_waiting,
-        min(limits.max_context, target_model.model.config.max_position_embeddings),
+    limits = dataclasses.replace(
+        limits, max_context=min(limits.max_context, target_model.model.config.max_position_embeddings)
     )
-    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics)
+    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill)

@@ -1,0 +1,144 @@
+"""What a long prompt's admission does to the streams already decoding: chunked prefill on and off.
+
+    .venv/bin/python benchmarks/long_prompt_admission.py --out benchmarks/chunked-prefill/admission
+
+`--streams` requests (HumanEval prompts, greedy) decode in one scheduler; once they are in steady
+state a prompt of about `--long-tokens` tokens arrives. Per stream, each event's time since the
+previous one over its tokens is a per-token latency: "steady" before the long prompt arrives,
+"during" from its arrival to its first token. Each mode runs in a process of its own (a scheduler
+keeps its model thread), modes alternate for `--rounds` rounds, and the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MODES = ("chunked", "whole")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    """One scheduler, streams then the long prompt; per-token latencies split at its arrival."""
+    from verispec.bench.workloads import load_workload
+    from verispec.engine import GenerationConfig
+    from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
+
+    limits = SchedulerLimits(max_batch_size=args.streams + 1, max_context=args.long_tokens + 512, prefix_cache_bytes=0)
+    scheduler = start_in_model_thread(
+        lambda: build_scheduler(args.target, None, "none", limits=limits, chunked_prefill=mode == "chunked"),
+        args.threads,
+    )
+    target = scheduler.target
+    prompts = [target.apply_chat_template(p["messages"][0]["content"]) if "messages" in p else p["prompt"]
+               for p in load_workload("humaneval", args.streams)]
+    policy = Path(__file__).with_name("workloads").joinpath("support-policy.txt").read_text()
+    long_ids = (target.encode(policy) * (args.long_tokens // 900 + 2))[: args.long_tokens]
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
+
+    def follow(index: int, handle) -> None:
+        for event in handle.iter_events():
+            if event.token_ids:
+                arrivals[index].append((time.perf_counter(), len(event.token_ids)))
+
+    config = GenerationConfig(max_new_tokens=args.stream_tokens)
+    threads = [threading.Thread(target=follow, args=(i, scheduler.submit(target.encode(p), config)))
+               for i, p in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    while min(len(a) for a in arrivals) < args.warmup_events:  # every stream decoding, past its first tokens
+        time.sleep(0.01)
+    submitted = time.perf_counter()
+    long_events = list(scheduler.submit(long_ids, GenerationConfig(max_new_tokens=4)).iter_events())
+    first_token = submitted + long_events[-1].stats.time_to_first_token
+    for thread in threads:
+        thread.join()
+    scheduler.stop()
+
+    steady, during = [], []
+    for stream in arrivals:
+        for (before, _), (now, tokens) in zip(stream, stream[1:]):
+            latency = (now - before) / tokens
+            if now <= submitted:
+                steady.append(latency)
+            elif before < first_token:  # the interval overlaps the long prompt's admission
+                during.append(latency)
+    return {
+        "mode": mode, "long_prompt_tokens": len(long_ids), "long_ttft": first_token - submitted,
+        "steady_p50": percentile(steady, 0.5), "steady_p95": percentile(steady, 0.95),
+        "during_p50": percentile(during, 0.5), "during_p95": percentile(during, 0.95),
+        "steady_samples": len(steady), "during_samples": len(during),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--stream-tokens", type=int, default=800, help="tokens each stream generates")
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--warmup-events", type=int, default=12, help="events per stream before the long prompt")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one run, in a child process
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args.mode, args)))
+        return
+
+    results = []
+    for round_ in range(args.rounds):
+        for mode in MODES if round_ % 2 == 0 else reversed(MODES):
+            command = [sys.executable, __file__, "--mode", mode] + [
+                f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+                if name not in ("mode", "out", "rounds") and value is not None
+            ]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            results.append(json.loads(output.strip().splitlines()[-1]))
+            print(f"round {round_ + 1} {mode}: {results[-1]}", file=sys.stderr)
+
+    from verispec.bench.machine import machine_description
+
+    machine = machine_description()
+    median = {mode: {key: statistics.median(r[key] for r in results if r["mode"] == mode)
+                     for key in results[0] if key != "mode"} for mode in MODES}
+    lines = [
+        f"# Admitting a {median['chunked']['long_prompt_tokens']:.0f}-token prompt while {args.streams} streams decode",
+        "",
+        "    .venv/bin/python benchmarks/long_prompt_admission.py " + " ".join(sys.argv[1:]),
+        "",
+        f"Machine: {machine['cpu']} ({', '.join(machine['cpu_features'])}), {machine['cores']} cores, "
+        f"{args.threads} threads. {args.target}, plain decoding (no drafter), greedy; medians of {args.rounds} "
+        "runs per mode, modes alternating, each in a fresh process.",
+        "",
+        "| prefill | streams' ms/token p50 steady | p95 steady | p50 during | p95 during | p95 during / steady | long prompt's TTFT s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        m = median[mode]
+        lines.append(
+            f"| {mode} | {1000 * m['steady_p50']:.1f} | {1000 * m['steady_p95']:.1f} | {1000 * m['during_p50']:.1f} | "
+            f"{1000 * m['during_p95']:.1f} | {m['during_p95'] / m['steady_p95']:.2f}x | {m['long_ttft']:.2f} |"
+        )
+    lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve` "
+              "(default); whole: `--no-chunked-prefill`."]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "README.md").write_text("\n".join(lines) + "\n")
+        (args.out / "results.json").write_text(json.dumps({"machine": machine, "runs": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

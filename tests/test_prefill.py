@@ -1,0 +1,193 @@
+"""Prefix reuse and chunked prefill: a prompt after a cached prefix, or fed in pieces, gets the bits of a whole prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.loading import load_model
+from verispec.models.transformer import PREFILL_CHUNK
+from verispec.serving.prefix_cache import PrefixCache
+from verispec.serving import scheduler as scheduler_module
+from verispec.serving.scheduler import Scheduler, SchedulerLimits, prefill_budget
+
+# Dense float32, dense bfloat16 (whose matmuls are not batch-invariant: only the chunk boundaries make
+# the splits exact) and the batch-invariant w4a8.
+FORMATS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "w4a8")]
+
+
+@pytest.fixture(scope="module", params=FORMATS, ids=lambda f: "-".join(f))
+def model(request, tiny_dir):
+    dtype, quantize = request.param
+    return load_model(str(tiny_dir), dtype, quantize=quantize).model
+
+
+def token_ids(count: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefilled(model, ids: list[int], capacity: int = 400):
+    cache = model.new_cache(1, capacity)
+    assert model.prefill(ids, cache) == len(ids)
+    return cache
+
+
+def assert_same_cache(a, b, length: int) -> None:
+    assert int(a.lengths[0]) == int(b.lengths[0]) == length
+    for layer, (ka, kb, va, vb) in enumerate(zip(a.keys, b.keys, a.values, b.values)):
+        assert torch.equal(ka[:, :, :length], kb[:, :, :length]), f"keys of layer {layer}"
+        assert torch.equal(va[:, :, :length], vb[:, :, :length]), f"values of layer {layer}"
+
+
+def next_logits(model, cache, token: int) -> torch.Tensor:
+    return model.forward(torch.tensor([[token]]), cache)
+
+
+def test_prefill_in_pieces_at_chunk_boundaries_equals_one_call(model):
+    ids = token_ids(150, 0, model.vocab_size)
+    whole = prefilled(model, ids)
+    pieces = model.new_cache(1, 400)
+    assert model.prefill(ids[:PREFILL_CHUNK], pieces) == PREFILL_CHUNK
+    assert model.prefill(ids[PREFILL_CHUNK:], pieces, max_tokens=PREFILL_CHUNK) == PREFILL_CHUNK
+    assert model.prefill(ids[2 * PREFILL_CHUNK :], pieces, max_tokens=500) == 150 - 2 * PREFILL_CHUNK
+    assert_same_cache(whole, pieces, 150)
+    assert torch.equal(next_logits(model, whole, 7), next_logits(model, pieces, 7))
+    with pytest.raises(ValueError, match="one row"):
+        model.prefill(ids, model.new_cache(2, 400))
+    with pytest.raises(ValueError, match="max_tokens"):
+        model.prefill(ids, model.new_cache(1, 400), max_tokens=0)
+
+
+def test_a_batch_invariant_model_prefills_in_pieces_of_any_size_to_the_same_bits(tiny_dir):
+    model = load_model(str(tiny_dir), "bfloat16", quantize="w4a8").model
+    assert model.batch_invariant
+    ids = token_ids(150, 0, model.vocab_size)
+    pieces, fed = model.new_cache(1, 400), 0
+    for size in (5, 37, 1, 30, 64, 13):  # ragged pieces, none ending on a chunk boundary but the last
+        fed += model.prefill(ids[fed:], pieces, max_tokens=size)
+    assert fed == 150
+    whole = prefilled(model, ids)
+    assert_same_cache(whole, pieces, 150)
+    assert torch.equal(next_logits(model, whole, 7), next_logits(model, pieces, 7))
+
+
+def test_a_prompt_after_a_cached_prefix_gets_the_bits_of_a_whole_prefill(model):
+    vocab = model.vocab_size
+    shared = token_ids(140, 1, vocab)  # two whole blocks and a part of a third
+    first, second = shared + token_ids(20, 2, vocab), shared + token_ids(30, 3, vocab)
+    prefix_cache = PrefixCache(max_bytes=1 << 30)
+    prefix_cache.store(first, prefilled(model, first))
+    assert len(prefix_cache) == 2  # whole blocks only: the third holds tokens of `first` alone
+
+    reused_row = model.new_cache(1, 400)
+    assert prefix_cache.load(second, reused_row) == 2 * PREFILL_CHUNK
+    model.prefill(second[2 * PREFILL_CHUNK :], reused_row)
+    assert_same_cache(prefilled(model, second), reused_row, len(second))
+    assert torch.equal(next_logits(model, prefilled(model, second), 9), next_logits(model, reused_row, 9))
+    assert prefix_cache.stats.hit_tokens == 2 * PREFILL_CHUNK
+    assert prefix_cache.stats.missed_tokens == len(second) - 2 * PREFILL_CHUNK
+
+    other = model.new_cache(1, 400)
+    assert prefix_cache.load(token_ids(140, 4, vocab), other) == 0 and int(other.lengths[0]) == 0
+    with pytest.raises(ValueError, match="empty cache row"):
+        prefix_cache.load(second, reused_row)
+
+
+def test_eviction_keeps_within_budget_and_drops_least_recently_used_leaves_first(target):
+    model, vocab = target.model, target.model.vocab_size
+    a, b = token_ids(3 * PREFILL_CHUNK, 5, vocab), token_ids(PREFILL_CHUNK + 10, 6, vocab)  # b: one whole block
+    block_bytes = PrefixCache(1 << 30)
+    block_bytes.store(a[:PREFILL_CHUNK], prefilled(model, a[:PREFILL_CHUNK]))
+    size = block_bytes.nbytes
+    prefix_cache = PrefixCache(max_bytes=2 * size + size // 2)  # room for two blocks
+    prefix_cache.store(a, prefilled(model, a))
+    assert len(prefix_cache) == 2 and prefix_cache.nbytes == 2 * size  # the third did not fit
+    assert prefix_cache.load(a, model.new_cache(1, 400)) == 2 * PREFILL_CHUNK
+    prefix_cache.store(b, prefilled(model, b))
+    # b's first block pushed out a's second (a leaf); a's first stays, it no longer has a child.
+    assert prefix_cache.nbytes <= prefix_cache.max_bytes
+    assert prefix_cache.load(a, model.new_cache(1, 400)) == PREFILL_CHUNK
+    assert prefix_cache.load(b, model.new_cache(1, 400)) == PREFILL_CHUNK
+    assert prefix_cache.stats.evicted_blocks == 2  # a's third (at once) and a's second
+    nothing = PrefixCache(max_bytes=0)
+    nothing.store(a, prefilled(model, a))
+    assert len(nothing) == 0 and nothing.nbytes == 0
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        PrefixCache(max_bytes=-1)
+
+
+def test_served_requests_reuse_a_shared_prefix_and_keep_their_single_request_output(target):
+    vocab = target.model.vocab_size
+    system = token_ids(150, 7, vocab)  # a shared "system prompt": two whole blocks
+    prompts = [system + token_ids(5 + 3 * i, 10 + i, vocab) for i in range(4)]
+    expected = [
+        SpeculativeEngine(target, None).generate(p, GenerationConfig(max_new_tokens=12)).token_ids for p in prompts
+    ]
+    for prefix_bytes, cached in ((1 << 30, 2 * PREFILL_CHUNK), (0, 0)):
+        scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(2, 8, 256, prefix_bytes))
+        handles = [scheduler.submit(p, GenerationConfig(max_new_tokens=12)) for p in prompts]
+        scheduler.start()
+        try:
+            events = [list(h.iter_events()) for h in handles]
+        finally:
+            scheduler.stop()
+        assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
+        assert [evs[-1].stats.cached_prompt_tokens for evs in events] == [0] + [cached] * 3
+        assert (scheduler.prefix_cache is None) == (prefix_bytes == 0)
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        Scheduler(target, None, "none", limits=SchedulerLimits(2, 8, 256, -1))
+
+
+def test_prefill_budget_gives_the_prompts_their_share_of_the_step():
+    assert prefill_budget(None, 0.001, 1, 4) == prefill_budget(0.1, None, 1, 4) == PREFILL_CHUNK  # unmeasured
+    assert prefill_budget(0.1, 0.005, 1, 4) == 15  # one prompt, 4 streams: not a fair fifth, 0.75 of a step
+    assert prefill_budget(0.1, 0.005, 1, 1) == 20  # one prompt, one stream: as long as its step
+    assert prefill_budget(0.1, 0.005, 15, 1) == 300  # a burst: the prompts' 15 shares
+    assert prefill_budget(0.001, 0.005, 1, 8) == 1  # always some progress
+
+
+@pytest.mark.parametrize("quantize", ["none", "w4a8"])  # whole chunks (not batch-invariant), any size (invariant)
+def test_a_long_prompt_goes_in_by_chunks_while_others_decode_and_keeps_its_output(tiny_dir, quantize, monkeypatch):
+    loaded = load_model(str(tiny_dir), "float32" if quantize == "none" else "bfloat16", quantize=quantize)
+    assert loaded.model.batch_invariant == (quantize == "w4a8")
+    vocab = loaded.model.vocab_size
+    prompts = [token_ids(9, 20, vocab), token_ids(12, 21, vocab), token_ids(300, 22, vocab)]
+    lengths = [3, 40, 10]  # the first finishes (and its row is taken back) while the long prompt goes in
+    expected = [
+        SpeculativeEngine(loaded, None).generate(p, GenerationConfig(max_new_tokens=n)).token_ids
+        for p, n in zip(prompts, lengths)
+    ]
+    monkeypatch.setattr(scheduler_module, "prefill_budget", lambda *args: 7)  # a fixed share, whatever the timing
+    real_prefill = loaded.model.prefill
+    for chunked in (True, False):
+        calls = []  # (tokens offered, max_tokens, tokens fed)
+
+        def prefill(token_ids, cache, max_tokens=None):
+            fed = real_prefill(token_ids, cache, max_tokens)
+            calls.append((len(token_ids), max_tokens, fed))
+            return fed
+
+        monkeypatch.setattr(loaded.model, "prefill", prefill)
+        scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=chunked)
+        handles = [scheduler.submit(p, GenerationConfig(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        scheduler.start()
+        try:
+            events = [list(h.iter_events()) for h in handles]
+        finally:
+            scheduler.stop()
+        assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
+        assert scheduler.num_active == 0
+        start = next(i for i, (offered, _, _) in enumerate(calls) if offered == 299)
+        assert all(offered < 20 for offered, _, _ in calls[:start])  # the short prompts went in first
+        long = calls[start:]
+        assert sum(fed for _, _, fed in long) == 299
+        if not chunked:
+            assert long == [(299, None, 299)] and all(budget is None for _, budget, _ in calls)
+            continue
+        piece = 7 if quantize == "w4a8" else PREFILL_CHUNK  # a model that is not batch-invariant feeds whole chunks
+        fed = [fed for _, _, fed in long]  # pieces while others decode; once nobody decodes, the rest at once
+        assert len(fed) >= 3 and all(f == piece for f in fed[:-1]), fed
+        ttft = [evs[-1].stats.time_to_first_token for evs in events]
+        assert ttft[2] > max(ttft[:2])  # the short requests streamed while the long prompt went in
+
