@@ -24,6 +24,8 @@ MODES = ("chunked", "whole")
 
 
 def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -35,8 +37,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
 
     limits = SchedulerLimits(max_batch_size=args.streams + 1, max_context=args.long_tokens + 512, prefix_cache_bytes=0)
+    draft = draft_used(args)
     scheduler = start_in_model_thread(
-        lambda: build_scheduler(args.target, None, "none", limits=limits, chunked_prefill=mode == "chunked"),
+        lambda: build_scheduler(args.target, draft, args.drafter, limits=limits, chunked_prefill=mode == "chunked"),
         args.threads,
     )
     target = scheduler.target
@@ -51,7 +54,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             if event.token_ids:
                 arrivals[index].append((time.perf_counter(), len(event.token_ids)))
 
-    config = GenerationConfig(max_new_tokens=args.stream_tokens)
+    config = GenerationConfig(max_new_tokens=args.stream_tokens, eos_token_ids=())  # streams run their length
     threads = [threading.Thread(target=follow, args=(i, scheduler.submit(target.encode(p), config)))
                for i, p in enumerate(prompts)]
     for thread in threads:
@@ -65,11 +68,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         thread.join()
     scheduler.stop()
 
+    settled = max(stream[3][0] for stream in arrivals)  # every stream past its first tokens (and the others' prompts)
     steady, during = [], []
     for stream in arrivals:
         for (before, _), (now, tokens) in zip(stream, stream[1:]):
             latency = (now - before) / tokens
-            if now <= submitted:
+            if settled <= before and now <= submitted:
                 steady.append(latency)
             elif before < first_token:  # the interval overlaps the long prompt's admission
                 during.append(latency)
@@ -81,9 +85,15 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     }
 
 
+def draft_used(args: argparse.Namespace) -> str | None:
+    return args.draft if args.drafter in ("draft-model", "composite") else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--drafter", default="none", help="the server's --drafter (none: plain decoding)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=800, help="tokens each stream generates")
     parser.add_argument("--long-tokens", type=int, default=2000)
@@ -104,8 +114,10 @@ def main() -> None:
                 f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
                 if name not in ("mode", "out", "rounds") and value is not None
             ]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            results.append(json.loads(output.strip().splitlines()[-1]))
+            run = subprocess.run(command, capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"the {mode} run failed:\n{run.stderr[-3000:]}")
+            results.append(json.loads(run.stdout.strip().splitlines()[-1]))
             print(f"round {round_ + 1} {mode}: {results[-1]}", file=sys.stderr)
 
     from verispec.bench.machine import machine_description
@@ -119,7 +131,8 @@ def main() -> None:
         "    .venv/bin/python benchmarks/long_prompt_admission.py " + " ".join(sys.argv[1:]),
         "",
         f"Machine: {machine['cpu']} ({', '.join(machine['cpu_features'])}), {machine['cores']} cores, "
-        f"{args.threads} threads. {args.target}, plain decoding (no drafter), greedy; medians of {args.rounds} "
+        f"{args.threads} threads. {args.target}, drafter {args.drafter}"
+        f"{'' if draft_used(args) is None else ' (' + args.draft + ')'}, greedy, `--k auto`; medians of {args.rounds} "
         "runs per mode, modes alternating, each in a fresh process.",
         "",
         "| prefill | streams' ms/token p50 steady | p95 steady | p50 during | p95 during | p95 during / steady | long prompt's TTFT s |",
@@ -131,8 +144,8 @@ def main() -> None:
             f"| {mode} | {1000 * m['steady_p50']:.1f} | {1000 * m['steady_p95']:.1f} | {1000 * m['during_p50']:.1f} | "
             f"{1000 * m['during_p95']:.1f} | {m['during_p95'] / m['steady_p95']:.2f}x | {m['long_ttft']:.2f} |"
         )
-    lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve` "
-              "(default); whole: `--no-chunked-prefill`."]
+    lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve --chunked-prefill`; "
+              "whole: the default (`--no-chunked-prefill`)."]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

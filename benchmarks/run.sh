@@ -175,8 +175,8 @@ prefill() {  # issue 12 items 4-5: prefix reuse and chunked prefill, each agains
         --max-tokens 64 --out $out/system-prompt || true
     # A burst of 16 requests at once: each prompt in turn and streaming, or every prompt before any token.
     $V bench-serve \
-        --server chunked=http://127.0.0.1:8603/v1 --start "chunked=$V serve --port 8603 $S" \
-        --server whole=http://127.0.0.1:8604/v1 --start "whole=$V serve --port 8604 --no-chunked-prefill $S" \
+        --server chunked=http://127.0.0.1:8603/v1 --start "chunked=$V serve --port 8603 --chunked-prefill $S" \
+        --server whole=http://127.0.0.1:8604/v1 --start "whole=$V serve --port 8604 $S" \
         --workload humaneval --limit 16 --concurrency 4,16 --requests 8,16 --max-tokens 128 --out $out/humaneval || true
     # A 2,000-token prompt arriving while 4 streams decode.
     .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission

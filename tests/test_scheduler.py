@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from verispec.drafters.base import LONG_TAIL
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
+from verispec.serving.batch_draft import BatchedDraftModel
 from verispec.serving.scheduler import QueueFullError, Scheduler, SchedulerLimits
 
 PROMPTS = [
@@ -78,9 +80,7 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
 
 def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target):
     """In one batch a row whose text recurs drafts from its suffix index, the others from the draft model."""
-    scheduler = Scheduler(
-        target, target.model, "composite", k=3, limits=SchedulerLimits(3, 8, 256), chunked_prefill=False
-    )  # every prompt goes in at the first _admit
+    scheduler = Scheduler(target, target.model, "composite", k=3, limits=SchedulerLimits(3, 8, 256))
     for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()
@@ -97,9 +97,7 @@ def test_composite_rows_draft_from_their_lookup_where_the_context_recurs(target)
 
 def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(target):
     """A new row's first draft feeds its prompt to the draft model: worth it alone, not in a costly batch."""
-    scheduler = Scheduler(
-        target, target.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256), chunked_prefill=False
-    )  # every prompt goes in at the first _admit
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
     for prompt, max_new_tokens in zip(PROMPTS[:3] + PROMPTS[4:5], (40, 40, 40, 2)):
         scheduler.submit(target.encode(prompt) * 2, GenerationConfig(max_new_tokens=max_new_tokens))
     scheduler._admit()
@@ -200,8 +198,6 @@ def test_controller_speculates_less_when_verification_gets_expensive():
 def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
     """Same proposals as DraftModelDrafter per row, across rejections (rollback), rows sitting steps out
     (lazy catch-up, long tails) and row moves."""
-    from verispec.serving.batch_draft import BatchedDraftModel
-
     prompts = [target.encode(p) for p in PROMPTS[:3]]
     batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=3, capacity=128)
     singles = [DraftModelDrafter(draft.model, target.model.vocab_size) for _ in prompts]
@@ -234,9 +230,7 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
 
 def test_a_probe_in_a_big_batch_does_not_fill_stale_draft_caches(target, draft, monkeypatch):
     """After plain steps, a k = 1 probe asks only rows whose draft cache is current."""
-    scheduler = Scheduler(
-        target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256), chunked_prefill=False
-    )  # every prompt goes in at the first _admit
+    scheduler = Scheduler(target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))
     for prompt in PROMPTS[:4]:
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()
@@ -358,3 +352,27 @@ def test_a_failed_load_in_the_model_thread_is_raised_to_the_caller():
 
     with pytest.raises(FileNotFoundError, match="nope"):
         start_in_model_thread(build)
+
+
+def test_a_row_far_behind_catches_up_in_pieces_while_the_others_draft(target, draft):
+    """With a catch-up limit, a new prompt goes into the draft cache over several steps (no stall for the others)."""
+    batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=2, capacity=512)
+    short, long = target.encode(PROMPTS[3]), target.encode(PROMPTS[1]) * 8  # LONG_TAIL < len(long)
+    assert len(short) <= LONG_TAIL < len(long) - 40
+    batched.add(0)
+    batched.add(1)
+    greedy = [SamplingParams(), SamplingParams()]
+    steps = 0
+    while True:
+        proposals = batched.propose([short, long], 2, greedy, [None, None], catch_up_limit=20)
+        assert proposals[0].num_tokens == 2  # the current row drafts every step
+        if proposals[1].num_tokens:
+            break
+        assert batched.catch_up_tokens == 20 and batched.behind(1, long) > LONG_TAIL
+        steps += 1
+    assert steps == math.ceil((len(long) - LONG_TAIL) / 20) - 1 and steps >= 2  # 20 a step until LONG_TAIL are left
+    assert proposals[1].num_tokens == 2 and batched.behind(1, long) == 0
+    alone = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=1, capacity=512)
+    alone.add(0)
+    assert alone.propose([long], 2, greedy[:1], [None])[0].num_tokens == 2  # no limit: at once
+    assert alone.catch_up_tokens == len(long) - 1

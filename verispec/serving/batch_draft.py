@@ -65,16 +65,22 @@ class BatchedDraftModel:
         self.cache.lengths[row] = common
         return tokens[common:]
 
-    def _catch_up(self, row: int, tail: list[int]) -> list[int]:
-        """Feed all but the last token of a long tail (a prompt, or plain steps) to the row alone."""
+    def _catch_up(self, row: int, tail: list[int], limit: int | None) -> list[int] | None:
+        """Feed a long tail (a prompt, or plain steps) to the row alone: all but its last token, or at most
+        `limit` tokens of it. Returns what is left to feed with the batch; None while still behind."""
         if len(tail) <= LONG_TAIL:
             return tail
-        self.catch_up_tokens += len(tail) - 1
+        fed = tail[: len(tail) - 1 if limit is None else min(len(tail) - 1, limit)]
+        self.catch_up_tokens += len(fed)
         view = self.cache.rows(row, row + 1)
-        self.model.forward(torch.tensor([tail[:-1]]), view, last_only=True)
-        view.commit(len(tail) - 1)
-        self.cached_tokens[row].extend(tail[:-1])
-        return tail[-1:]
+        self.model.forward(torch.tensor([fed]), view, last_only=True)
+        view.commit(len(fed))
+        self.cached_tokens[row].extend(fed)
+        rest = tail[len(fed) :]
+        if len(rest) > LONG_TAIL:  # the rest next time: no draft from this row this step
+            self.known_committed[row] = len(self.cached_tokens[row])
+            return None
+        return rest
 
     def _feed(self, inputs: list[list[int] | None]) -> torch.Tensor:
         """Append each row's tokens (ragged; None = skip the row) to rows 0 .. n-1.
@@ -108,19 +114,28 @@ class BatchedDraftModel:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         drafting: list[bool] | None = None,
+        catch_up_limit: int | None = None,
     ) -> list[Proposal]:
         """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
 
-        Rows with drafting[b] False propose nothing and are not brought up to date.
+        Rows with drafting[b] False propose nothing and are not brought up to date. A row further
+        behind than LONG_TAIL catches up alone first, by at most catch_up_limit tokens a call (None:
+        all at once); until it is caught up it proposes nothing.
         """
         n = len(tokens)
-        drafting = drafting if drafting is not None else [True] * n
+        drafting = list(drafting) if drafting is not None else [True] * n
+        self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         started = time.perf_counter()
-        self.catch_up_tokens = 0
-        tails = [self._catch_up(b, self._sync(b, seq)) if drafting[b] else None for b, seq in enumerate(tokens)]
+        tails = [
+            self._catch_up(b, self._sync(b, seq), catch_up_limit) if drafting[b] else None
+            for b, seq in enumerate(tokens)
+        ]
+        drafting = [wants and tail is not None for wants, tail in zip(drafting, tails)]
         self.catch_up_seconds = time.perf_counter() - started
+        if not any(drafting):
+            return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         logits = self._feed(tails)  # (n, V')
         drafted = torch.zeros(n, k, dtype=torch.long)  # (n, k)
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row: k of (V,) when sampling

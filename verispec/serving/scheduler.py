@@ -1,9 +1,9 @@
 """Continuous batching: every active request advances by one speculative step per batched target forward.
 
 One thread owns the models. Each iteration it
-  1. admits waiting requests into free cache rows, one prompt at a time: after the longest prefix whose
-     keys and values the prefix cache holds, the rest of the prompt goes in whole when nothing decodes,
-     else in chunks that take the prompts' share of each step (chunked prefill); drops cancelled ones,
+  1. admits waiting requests into free cache rows (after the longest prefix of each prompt whose keys and
+     values the prefix cache holds; with chunked_prefill, one prompt at a time, in chunks that take the
+     prompts' share of each step while others decode) and drops cancelled ones,
   2. asks the controller for k given the batch size and the drafter, drafts k tokens for every active
      sequence (one batched draft forward per position, or each sequence's model-free drafter; composite:
      each sequence's suffix index where its context recurs, the batched draft model for the rest),
@@ -183,7 +183,7 @@ class Scheduler:
         k_max: int = 8,
         limits: SchedulerLimits = SchedulerLimits(),
         metrics: "ServerMetrics | None" = None,
-        chunked_prefill: bool = True,
+        chunked_prefill: bool = False,
     ) -> None:
         if drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
@@ -472,6 +472,7 @@ class Scheduler:
             batched = self.draft.propose(
                 [s.tokens for s in active], k_step,
                 [s.config.sampling for s in active], [s.generator for s in active], drafting,
+                self._catch_up_limit(),
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
@@ -490,6 +491,17 @@ class Scheduler:
                 proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
             trimmed.append(proposal)
         return trimmed, seconds
+
+    def _catch_up_limit(self) -> int | None:
+        """Tokens a row far behind in the draft cache may catch up by this step: with others decoding, what
+        fits in PREFILL_MIN_SHARE of a step (as measured; one chunk until measured), so that feeding a new
+        prompt to the draft model slows the streams no more than its prefill does. Alone: everything."""
+        if not self.chunked_prefill or len(self.active) < 2:
+            return None
+        per_token = self.controller.catch_up_per_token
+        if per_token is None or self._step_seconds is None:
+            return PREFILL_CHUNK
+        return max(LONG_TAIL + 1, int(self._step_seconds * PREFILL_MIN_SHARE / per_token))
 
     def _worth_catching_up(self, drafting: list[bool], k_per_row: list[int]) -> list[bool]:
         """Rows far behind in the draft cache draft only where drafting saves them more than catching up costs.
@@ -700,7 +712,7 @@ def build_scheduler(
     metrics: "ServerMetrics | None" = None,
     progress: bool = False,
     quantize: str = "auto",
-    chunked_prefill: bool = True,
+    chunked_prefill: bool = False,
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them."""
     from verispec.drafters import load_draft_model
