@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 import httpx
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -154,6 +155,59 @@ def test_completion_greedy_equals_library(client, target):
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
     assert response.usage.prompt_tokens_details.cached_tokens == 0  # shorter than a prefix cache block
     check_speculative(response.model_extra["speculative"], len(expected.token_ids))
+
+
+def target_logprobs(target, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of the target's scores for each of token_ids after prompt_ids, from one plain forward: (T, V)."""
+    model = target.model
+    cache = model.new_cache(1, len(prompt_ids) + len(token_ids) + 1)
+    logits = model.forward(torch.tensor([prompt_ids + token_ids[:-1]]), cache)[0]  # (P + T - 1, V)
+    return torch.log_softmax(logits[len(prompt_ids) - 1 :].float(), dim=-1)
+
+
+def test_completion_logprobs_are_the_targets_for_every_token_accepted_drafts_included(client, target):
+    prompt = "def add(a, b):"
+    expected = library(target, prompt, 24)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=3)
+    choice = response.choices[0]
+    assert choice.text == expected.text  # asking for logprobs changes nothing else
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(expected.token_ids) == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == target.decode(expected.token_ids)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    reference = target_logprobs(target, target.encode(prompt), expected.token_ids)  # (T, V)
+    assert response.model_extra["speculative"]["drafted_tokens"] > 0
+    for position, (token, logprob, top) in enumerate(zip(expected.token_ids, logprobs.token_logprobs, logprobs.top_logprobs)):
+        assert logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
+        best = reference[position].topk(3).values.tolist()  # (tokens that decode alike share one key)
+        assert 1 <= len(top) <= 3 and all(any(abs(v - b) < 1e-4 for b in best) for v in top.values())
+        assert logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the chosen token is the likeliest
+        assert logprob == pytest.approx(best[0], abs=1e-4)
+
+
+def test_streamed_chat_logprobs_cover_every_token_once(client, target):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a loop"}], max_completion_tokens=20,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+    )
+    text, entries, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None:
+                entries.extend(choice.logprobs.content)
+    assert len(entries) == usage.completion_tokens > 0
+    assert "".join(e.token for e in entries) == text
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)  # greedy
+        assert bytes(entry.bytes) == entry.token.encode("utf-8")
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a loop"}], max_completion_tokens=20, temperature=0,
+    )
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
 
 
 def test_a_shared_long_prefix_is_reused_and_the_output_stays_the_librarys(client, target, server):
@@ -402,8 +456,10 @@ BAD_REQUESTS = {
     "n-2": Bad(CHAT, chat(n=2), 400, UNSUPPORTED, "n"),
     "best-of": Bad(COMPLETIONS, good(best_of=3), 400, UNSUPPORTED, "best_of"),
     "echo": Bad(COMPLETIONS, good(echo=True), 400, UNSUPPORTED, "echo"),
-    "logprobs": Bad(COMPLETIONS, good(logprobs=1), 400, UNSUPPORTED, "logprobs"),
-    "chat-logprobs": Bad(CHAT, chat(logprobs=True), 400, UNSUPPORTED, "logprobs"),
+    "logprobs-too-many": Bad(COMPLETIONS, good(logprobs=21), 400, None, "logprobs"),
+    "logprobs-negative": Bad(COMPLETIONS, good(logprobs=-1), 400, None, "logprobs"),
+    "chat-top-logprobs-too-many": Bad(CHAT, chat(logprobs=True, top_logprobs=21), 400, None, "top_logprobs"),
+    "chat-top-logprobs-without-logprobs": Bad(CHAT, chat(top_logprobs=2), 400, None, None),
     "presence-penalty": Bad(COMPLETIONS, good(presence_penalty=0.5), 400, UNSUPPORTED, "presence_penalty"),
     "frequency-penalty": Bad(CHAT, chat(frequency_penalty=-1), 400, UNSUPPORTED, "frequency_penalty"),
     "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),

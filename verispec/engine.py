@@ -17,7 +17,7 @@ import torch
 from verispec.drafters.base import Drafter, Proposal
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams, logits_to_probs
 from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
@@ -32,6 +32,7 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
     k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
     k_max: int = 8  # the longest draft "auto" considers
+    logprobs: int | None = None  # served: each emitted token's log-probability and this many alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -40,6 +41,8 @@ class GenerationConfig:
             raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be None or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
 
     @property
     def longest_draft(self) -> int:

@@ -57,6 +57,34 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(scores, dim=-1)  # (..., V)
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each position
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution, and the likeliest tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), likeliest first
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """logits: (T, V), row t the target's scores for token_ids[t]; log-softmax of the raw scores.
+
+    The model's own distribution, before temperature and truncation (as vLLM reports by default): the
+    same whether a token was drafted and accepted or sampled by the target, and meaningful for greedy.
+    """
+    logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)  # (T, V)
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)].tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)  # (T, top) each
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, lp, best) for t, lp, best in zip(token_ids, chosen, tops)]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token id per row of probs (B, V) -> (B,). Also accepts any leading shape (..., V) -> (...).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
@@ -30,7 +31,40 @@ from verispec.serving.protocol import (
     validate,
     validation_error,
 )
+from verispec.sampling import TokenLogprob
 from verispec.serving.scheduler import QueueFullError, RequestHandle, Scheduler, SequenceEvent
+
+LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -Infinity)
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int) -> dict:
+    """/v1/completions' logprobs object for these tokens; offset: characters of completion text before them."""
+    texts = [token_text(e.token_id) for e in entries]
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset)) if texts else []
+    tops = []
+    for entry in entries:  # keyed by text: of tokens that read alike, the likeliest stays
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(token_text(token_id), max(logprob, LOWEST_LOGPROB))
+        tops.append(top)
+    return {
+        "tokens": texts,
+        "token_logprobs": [max(e.logprob, LOWEST_LOGPROB) for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int) -> dict:
+    """/v1/chat/completions' logprobs object for these tokens."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for e in entries]}
+
 
 @dataclass(frozen=True)
 class _Shape:
@@ -39,26 +73,33 @@ class _Shape:
     id_prefix: str
     object: str
     chunk_object: str
-    choice: Callable[[str, str | None], dict]  # (text, finish_reason) -> a whole response's choice
-    delta: Callable[[str | None, str | None], dict]  # (text or None, finish_reason) -> a stream chunk's choice
+    choice: Callable[[str, str | None, dict | None], dict]  # (text, finish_reason, logprobs) -> a whole response's choice
+    delta: Callable[[str | None, str | None, dict | None], dict]  # (text or None, finish_reason, logprobs) -> a chunk's choice
     opening_delta: dict | None  # the first chunk's choice, if the endpoint has one
+    logprobs: Callable[[list[TokenLogprob], Callable[[int], str], int], dict]  # (tokens, token text, offset) -> logprobs
 
 
 COMPLETION = _Shape(
     "cmpl", "text_completion", "text_completion",
-    choice=lambda text, finish: {"index": 0, "text": text, "logprobs": None, "finish_reason": finish},
-    delta=lambda text, finish: {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish},
+    choice=lambda text, finish, logprobs=None: {
+        "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+    },
+    delta=lambda text, finish, logprobs=None: {
+        "index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
+    },
     opening_delta=None,
+    logprobs=completion_logprobs,
 )
 CHAT = _Shape(
     "chatcmpl", "chat.completion", "chat.completion.chunk",
-    choice=lambda text, finish: {
-        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish,
+    choice=lambda text, finish, logprobs=None: {
+        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish,
     },
-    delta=lambda text, finish: {
-        "index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish,
+    delta=lambda text, finish, logprobs=None: {
+        "index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs, "finish_reason": finish,
     },
     opening_delta={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    logprobs=chat_logprobs,
 )
 
 
@@ -187,19 +228,28 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             return StreamingResponse(
                 chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
-        return await whole_response(request, handle, header, shape)
+        return await whole_response(request, handle, header, shape, config.logprobs is not None)
 
-    async def whole_response(request: Request, handle: RequestHandle, header: dict, shape: _Shape) -> JSONResponse:
+    def token_text(token_id: int) -> str:
+        return target.decode([token_id])
+
+    async def whole_response(
+        request: Request, handle: RequestHandle, header: dict, shape: _Shape, logprobs: bool
+    ) -> JSONResponse:
         parts: list[str] = []
+        entries: list[TokenLogprob] = []
         final: SequenceEvent | None = None
         async with cancel_on_disconnect(request, handle):
             async for event in handle.events():
                 parts.append(event.text)
+                entries.extend(event.logprobs or [])
                 final = event
         if final.finish_reason not in ("stop", "length"):
             raise unfinished(final)
+        choice_logprobs = shape.logprobs(entries, token_text, 0) if logprobs else None
         return JSONResponse({
-            **header, "object": shape.object, "choices": [shape.choice("".join(parts), final.finish_reason)],
+            **header, "object": shape.object,
+            "choices": [shape.choice("".join(parts), final.finish_reason, choice_logprobs)],
             "usage": usage(final), "speculative": final.stats.to_dict(),
         })
 
@@ -213,6 +263,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             payload.update(extra)
             return f"data: {json_dumps(payload)}\n\n"
 
+        offset = 0  # characters of completion text the logprobs sent so far cover
         async with cancel_on_disconnect(request, handle):
             if shape.opening_delta is not None:
                 yield chunk([shape.opening_delta])
@@ -222,8 +273,12 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                     metrics.error(error.type, error.code)
                     yield f"data: {json_dumps(error.body())}\n\n"
                     break
-                if event.text:
-                    yield chunk([shape.delta(event.text, None)])
+                if event.text or event.logprobs:
+                    step_logprobs = None
+                    if event.logprobs:  # the step's tokens, whether or not their text is released yet
+                        step_logprobs = shape.logprobs(event.logprobs, token_text, offset)
+                        offset += sum(len(token_text(e.token_id)) for e in event.logprobs)
+                    yield chunk([shape.delta(event.text, None, step_logprobs)])
                 if event.finish_reason is not None:
                     yield chunk([shape.delta(None, event.finish_reason)])
                     if include_usage:

@@ -2,7 +2,7 @@
 
 Types are strict (`"temperature": "0.5"` is an error, not 0.5): a client that sends the wrong
 type has a bug worth hearing about. OpenAI fields that would change the output but are not
-implemented (n > 1, logprobs, penalties, logit_bias, echo, tools, ...) are refused with a 400;
+implemented (n > 1, penalties, logit_bias, echo, tools, ...) are refused with a 400;
 fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
 Extensions beyond OpenAI, as in vLLM: top_k, min_p, ignore_eos.
 """
@@ -13,11 +13,11 @@ import json
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from verispec.engine import GenerationConfig
-from verispec.sampling import SamplingParams
+from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when the request gives none; lowered to what the context leaves
 MAX_STOP_STRINGS = 4
@@ -59,8 +59,6 @@ _REFUSED_WHEN_SET = {
     "logit_bias": "logit_bias",
     "echo": "echo",
     "suffix": "suffix (insertion)",
-    "logprobs": "logprobs",  # chat's flag; the completions endpoint refuses any logprobs count, even 0
-    "top_logprobs": "top_logprobs",
     "tools": "tools (tool calling)",
     "functions": "functions (tool calling)",
 }
@@ -197,6 +195,10 @@ class _GenerationRequest(BaseModel):
             min_p=self.min_p or 0.0,
         )
 
+    def requested_logprobs(self) -> int | None:
+        """How many alternatives to report with each token's log-probability; None: no logprobs."""
+        return None
+
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
         """The engine settings; k is the server's (the scheduler ignores a per-request k)."""
         return GenerationConfig(
@@ -205,6 +207,7 @@ class _GenerationRequest(BaseModel):
             seed=secrets.randbits(63) if self.seed is None else self.seed,
             stop_strings=tuple(self.stop),
             eos_token_ids=() if self.ignore_eos else None,
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -212,7 +215,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]  # a string, a list of one string, token ids or a list of one list of token ids
     best_of: Integer | None = None
     echo: Flag | None = None
-    logprobs: Integer | None = None
+    logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (0: the token's own)
     suffix: Text | None = None
 
     @field_validator("prompt", mode="before")
@@ -237,12 +240,8 @@ class CompletionRequest(_GenerationRequest):
             raise _unsupported(f"best_of={value}")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _unsupported("logprobs")
-        return value
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     _refuse_completion_fields = field_validator("echo", "suffix")(_refuse_when_set)
 
@@ -277,12 +276,21 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: Flag | None = None
-    top_logprobs: Integer | None = None
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    _refuse_chat_fields = field_validator("logprobs", "top_logprobs", "tools", "functions")(_refuse_when_set)
+    _refuse_chat_fields = field_validator("tools", "functions")(_refuse_when_set)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod

@@ -38,7 +38,7 @@ from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings
-from verispec.sampling import logits_to_probs
+from verispec.sampling import TokenLogprob, logits_to_probs, token_logprobs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
 from verispec.stopping import TextAssembler
@@ -103,6 +103,7 @@ class SequenceEvent:
     finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
     stats: SequenceStats = field(default_factory=SequenceStats)  # a snapshot; final when finish_reason is set
     error: str | None = None  # message when finish_reason == "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
 
 
 class RequestHandle:
@@ -557,7 +558,7 @@ class Scheduler:
         drafted_by_position = [0] * (width - 1)
         accepted_by_position = [0] * (width - 1)
         done: list[tuple[_Sequence, str]] = []
-        for sequence, proposal, num_accepted, tokens in zip(active, proposals, accepted, new_tokens):
+        for b, (sequence, proposal, num_accepted, tokens) in enumerate(zip(active, proposals, accepted, new_tokens)):
             drafted = proposal.num_tokens
             for position in range(drafted):
                 drafted_by_position[position] += 1
@@ -572,7 +573,10 @@ class Scheduler:
                 batch_size=n,
             )
             sequence.tokens.extend(tokens)
-            finish_reason = self._emit(sequence, tokens, finished_at)
+            logprobs = None
+            if sequence.config.logprobs is not None:  # the target's scores at each emitted token
+                logprobs = token_logprobs(logits[b], tokens, sequence.config.logprobs)
+            finish_reason = self._emit(sequence, tokens, finished_at, logprobs)
             if finish_reason is not None:
                 done.append((sequence, finish_reason))
         self._step_seconds = _moving_average(self._step_seconds, finished_at - started)
@@ -581,7 +585,9 @@ class Scheduler:
         for sequence, reason in done:
             self._retire([sequence], reason, emitted=True)
 
-    def _emit(self, sequence: _Sequence, tokens: list[int], now: float) -> str | None:
+    def _emit(
+        self, sequence: _Sequence, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None
+    ) -> str | None:
         """Stream one step's tokens of a sequence; the finish reason when it is done (eos, stop, length)."""
         text = sequence.text
         before = sequence.generated
@@ -602,7 +608,8 @@ class Scheduler:
         if finish_reason is not None:
             stats.total_seconds = now - sequence.submitted
         released = text.release(final=finish_reason is not None)
-        sequence.handle._put(SequenceEvent(released, added, finish_reason, dataclasses.replace(stats)))
+        kept = None if logprobs is None else logprobs[: len(added)]  # the step's tokens past max_tokens or eos are dropped
+        sequence.handle._put(SequenceEvent(released, added, finish_reason, dataclasses.replace(stats), logprobs=kept))
         return finish_reason
 
     def _retire(self, sequences: list[_Sequence], reason: str, emitted: bool = False) -> None:
