@@ -1,4 +1,4 @@
-"""Prefix reuse and chunked prefill: a prompt after a cached prefix, or fed in pieces, gets the bits of a whole prefill."""
+"""Prefix reuse and chunked prefill: a prompt after a cached prefix, or fed in pieces, gets a whole prefill's bits."""
 
 from __future__ import annotations
 

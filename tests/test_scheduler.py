@@ -80,7 +80,8 @@ def test_draft_model_rows_are_accepted_on_a_self_draft(target):
 
 def test_logprobs_of_accepted_drafts_and_sampled_tokens_are_the_targets(target):
     """Each emitted token's logprob is the target's log-softmax at its position, drafted or not; top-n sorted."""
-    scheduler = Scheduler(target, target.model, "draft-model", k=3, limits=SchedulerLimits(max_batch_size=2, max_context=256))
+    limits = SchedulerLimits(max_batch_size=2, max_context=256)
+    scheduler = Scheduler(target, target.model, "draft-model", k=3, limits=limits)
     configs = [GenerationConfig(max_new_tokens=15, logprobs=4), GenerationConfig(max_new_tokens=15)]
     events = run_all(scheduler, PROMPTS[:2], configs)
     asked, not_asked = events
@@ -90,7 +91,8 @@ def test_logprobs_of_accepted_drafts_and_sampled_tokens_are_the_targets(target):
     assert [e.token_id for e in entries] == tokens and asked[-1].stats.accepted_tokens > 0  # self-draft: accepted
     prompt = target.encode(PROMPTS[0])
     cache = target.model.new_cache(1, len(prompt) + len(tokens))
-    reference = torch.log_softmax(target.model.forward(torch.tensor([prompt + tokens[:-1]]), cache)[0, len(prompt) - 1 :], -1)
+    logits = target.model.forward(torch.tensor([prompt + tokens[:-1]]), cache)[0]  # (P + T - 1, V)
+    reference = torch.log_softmax(logits[len(prompt) - 1 :], -1)  # (T, V)
     for position, entry in enumerate(entries):
         assert entry.logprob == pytest.approx(float(reference[position, entry.token_id]), abs=1e-4)
         assert [i for i, _ in entry.top] == reference[position].topk(4).indices.tolist()

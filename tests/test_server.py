@@ -177,7 +177,8 @@ def test_completion_logprobs_are_the_targets_for_every_token_accepted_drafts_inc
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
     reference = target_logprobs(target, target.encode(prompt), expected.token_ids)  # (T, V)
     assert response.model_extra["speculative"]["drafted_tokens"] > 0
-    for position, (token, logprob, top) in enumerate(zip(expected.token_ids, logprobs.token_logprobs, logprobs.top_logprobs)):
+    entries = zip(expected.token_ids, logprobs.token_logprobs, logprobs.top_logprobs)
+    for position, (token, logprob, top) in enumerate(entries):
         assert logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
         best = reference[position].topk(3).values.tolist()  # (tokens that decode alike share one key)
         assert 1 <= len(top) <= 3 and all(any(abs(v - b) < 1e-4 for b in best) for v in top.values())

@@ -73,10 +73,10 @@ class _Shape:
     id_prefix: str
     object: str
     chunk_object: str
-    choice: Callable[[str, str | None, dict | None], dict]  # (text, finish_reason, logprobs) -> a whole response's choice
-    delta: Callable[[str | None, str | None, dict | None], dict]  # (text or None, finish_reason, logprobs) -> a chunk's choice
+    choice: Callable[[str, str | None, dict | None], dict]  # (text, finish_reason, logprobs) -> a response's choice
+    delta: Callable[[str | None, str | None, dict | None], dict]  # (text or None, finish_reason, logprobs) -> a chunk's
     opening_delta: dict | None  # the first chunk's choice, if the endpoint has one
-    logprobs: Callable[[list[TokenLogprob], Callable[[int], str], int], dict]  # (tokens, token text, offset) -> logprobs
+    logprobs: Callable[[list[TokenLogprob], Callable[[int], str], int], dict]  # (tokens, token text, offset) -> dict
 
 
 COMPLETION = _Shape(

@@ -13,7 +13,9 @@ import json
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from verispec.engine import GenerationConfig

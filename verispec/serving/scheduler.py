@@ -608,7 +608,7 @@ class Scheduler:
         if finish_reason is not None:
             stats.total_seconds = now - sequence.submitted
         released = text.release(final=finish_reason is not None)
-        kept = None if logprobs is None else logprobs[: len(added)]  # the step's tokens past max_tokens or eos are dropped
+        kept = None if logprobs is None else logprobs[: len(added)]  # tokens past max_tokens or eos are dropped
         sequence.handle._put(SequenceEvent(released, added, finish_reason, dataclasses.replace(stats), logprobs=kept))
         return finish_reason
 
