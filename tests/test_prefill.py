@@ -40,6 +40,16 @@ def assert_same_cache(a, b, length: int) -> None:
         assert torch.equal(va[:, :, :length], vb[:, :, :length]), f"values of layer {layer}"
 
 
+def run_to_the_end(scheduler: Scheduler, prompts: list[list[int]], configs: list[GenerationConfig]) -> list[list]:
+    """Every request's events; all are submitted before the loop starts, so they share steps."""
+    handles = [scheduler.submit(p, c) for p, c in zip(prompts, configs)]
+    scheduler.start()
+    try:
+        return [list(h.iter_events()) for h in handles]
+    finally:
+        scheduler.stop()
+
+
 def next_logits(model, cache, token: int) -> torch.Tensor:
     return model.forward(torch.tensor([[token]]), cache)
 
@@ -126,12 +136,7 @@ def test_served_requests_reuse_a_shared_prefix_and_keep_their_single_request_out
     ]
     for prefix_bytes, cached in ((1 << 30, 2 * PREFILL_CHUNK), (0, 0)):
         scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(2, 8, 256, prefix_bytes))
-        handles = [scheduler.submit(p, GenerationConfig(max_new_tokens=12)) for p in prompts]
-        scheduler.start()
-        try:
-            events = [list(h.iter_events()) for h in handles]
-        finally:
-            scheduler.stop()
+        events = run_to_the_end(scheduler, prompts, [GenerationConfig(max_new_tokens=12)] * len(prompts))
         assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
         assert [evs[-1].stats.cached_prompt_tokens for evs in events] == [0] + [cached] * 3
         assert (scheduler.prefix_cache is None) == (prefix_bytes == 0)
@@ -170,12 +175,7 @@ def test_a_long_prompt_goes_in_by_chunks_while_others_decode_and_keeps_its_outpu
 
         monkeypatch.setattr(loaded.model, "prefill", prefill)
         scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=chunked)
-        handles = [scheduler.submit(p, GenerationConfig(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
-        scheduler.start()
-        try:
-            events = [list(h.iter_events()) for h in handles]
-        finally:
-            scheduler.stop()
+        events = run_to_the_end(scheduler, prompts, [GenerationConfig(max_new_tokens=n) for n in lengths])
         assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
         assert scheduler.num_active == 0
         start = next(i for i, (offered, _, _) in enumerate(calls) if offered == 299)

@@ -33,6 +33,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+def moving_average(average: float | None, value: float, weight: float) -> float:
+    """The newest value's weight `weight`, the old average's the rest; the first value is the average."""
+    return value if average is None else (1 - weight) * average + weight * value
+
+
 @dataclass
 class ControllerSettings:
     k_max: int = 8  # longest draft considered
@@ -172,18 +177,16 @@ class AdaptiveController:
         (verify_tokens = tokens in the batched forward); the costs are averaged per batch size.
         """
         w = self.settings.smoothing
-        previous = self.verify_cost.get(verify_tokens)
-        self.verify_cost[verify_tokens] = verify_seconds if previous is None else (1 - w) * previous + w * verify_seconds
+        self.verify_cost[verify_tokens] = moving_average(self.verify_cost.get(verify_tokens), verify_seconds, w)
         if drafted == 0:
             return
         averages = self._source(source)
         for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
             hit = 1.0 if position < accepted else 0.0
-            averages.alpha[position] = (1 - w) * averages.alpha[position] + w * hit
+            averages.alpha[position] = moving_average(averages.alpha[position], hit, w)
             averages.reached[position] += 1
         per_position = draft_seconds / drafted
-        previous = averages.draft_cost.get(batch_size)
-        averages.draft_cost[batch_size] = per_position if previous is None else (1 - w) * previous + w * per_position
+        averages.draft_cost[batch_size] = moving_average(averages.draft_cost.get(batch_size), per_position, w)
         self.recent_sources[source] += 1
         if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
             for name in list(self.recent_sources):
@@ -192,9 +195,7 @@ class AdaptiveController:
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """Record a draft model feeding `tokens` committed tokens it had not seen (a prompt, plain steps)."""
         if tokens > 0:
-            w, per_token = self.settings.smoothing, seconds / tokens
-            previous = self.catch_up_per_token
-            self.catch_up_per_token = per_token if previous is None else (1 - w) * previous + w * per_token
+            self.catch_up_per_token = moving_average(self.catch_up_per_token, seconds / tokens, self.settings.smoothing)
 
     def catch_up_pays(self, behind: int, remaining: int, k: int, source: str, batch_size: int) -> bool | None:
         """Would drafting k for a sequence `behind` tokens back win its catch-up back over `remaining` tokens?

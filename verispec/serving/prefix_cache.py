@@ -35,7 +35,11 @@ class _Block:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return _nbytes(self.keys + self.values)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -103,12 +107,12 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is None:
                 span = slice(start, start + self.block_size)
+                keys, values = [k[0, :, span] for k in cache.keys], [v[0, :, span] for v in cache.values]
+                if _nbytes(keys + values) > self.max_bytes:
+                    return  # a block larger than the whole budget: nothing is copied
                 block = _Block(
-                    next(self._ids), key, parent_key,
-                    [k[0, :, span].clone() for k in cache.keys], [v[0, :, span].clone() for v in cache.values],
+                    next(self._ids), key, parent_key, [k.clone() for k in keys], [v.clone() for v in values]
                 )
-                if block.nbytes > self.max_bytes:
-                    return
                 self._blocks[key] = block
                 self.nbytes += block.nbytes
                 self.stats.stored_blocks += 1

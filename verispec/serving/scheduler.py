@@ -37,7 +37,7 @@ from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
-from verispec.policy import AdaptiveController, ControllerSettings
+from verispec.policy import AdaptiveController, ControllerSettings, moving_average
 from verispec.sampling import TokenLogprob, logits_to_probs, token_logprobs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
@@ -384,8 +384,8 @@ class Scheduler:
                 self._prefill_budget(sequence) if decoding and self.chunked_prefill else None,
             )
             if fed:
-                self._prefill_token_seconds = _moving_average(
-                    self._prefill_token_seconds, (time.perf_counter() - started) / fed
+                self._prefill_token_seconds = moving_average(
+                    self._prefill_token_seconds, (time.perf_counter() - started) / fed, COST_SMOOTHING
                 )
             sequence.prefilled += fed
             if sequence.prefilled < len(prompt):
@@ -579,7 +579,7 @@ class Scheduler:
             finish_reason = self._emit(sequence, tokens, finished_at, logprobs)
             if finish_reason is not None:
                 done.append((sequence, finish_reason))
-        self._step_seconds = _moving_average(self._step_seconds, finished_at - started)
+        self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
         if self.metrics is not None:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
         for sequence, reason in done:
@@ -649,6 +649,7 @@ class Scheduler:
             self.metrics.set_queue(len(self.active), self.num_waiting)
 
 
+COST_SMOOTHING = 0.2  # weight of the newest step or prefill timing in the scheduler's moving averages
 # While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
 # among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
 PREFILL_MIN_SHARE = 0.75
@@ -667,10 +668,6 @@ def prefill_budget(step_seconds: float | None, token_seconds: float | None, prom
         return PREFILL_CHUNK
     share = max(prompts / decoding, PREFILL_MIN_SHARE)
     return max(1, int(step_seconds * share / token_seconds))
-
-
-def _moving_average(average: float | None, value: float, weight: float = 0.2) -> float:
-    return value if average is None else (1 - weight) * average + weight * value
 
 
 def start_in_model_thread(build: Callable[[], Scheduler], threads: int | None = None) -> Scheduler:
