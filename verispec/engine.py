@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from verispec.drafters.base import Drafter, Proposal
+from verispec.grammar import Grammar, cut_to_grammar, grammar_for
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams, logits_to_probs
@@ -33,6 +34,7 @@ class GenerationConfig:
     k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
     k_max: int = 8  # the longest draft "auto" considers
     logprobs: int | None = None  # served: each emitted token's log-probability and this many alternatives
+    json_schema: dict | None = None  # structured output: the completion is one JSON document valid under it
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,6 +45,8 @@ class GenerationConfig:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be None or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
+        if self.json_schema is not None and self.eos_token_ids == ():
+            raise ValueError("structured output ends with an end-of-sequence id: it cannot ignore them (ignore_eos)")
 
     @property
     def longest_draft(self) -> int:
@@ -91,9 +95,12 @@ class SpeculativeEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds "
                 f"the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
-        return TextStream(self, prompt_ids, config)
+        grammar = grammar_for(self.target, config.json_schema, config.eos_token_ids) if config.json_schema else None
+        return TextStream(self, prompt_ids, config, grammar)
 
-    def _steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[_Step]:
+    def _steps(
+        self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats, grammar: Grammar | None = None
+    ) -> Iterator[_Step]:
         target = self.target.model
         k_longest = config.longest_draft if self.drafter is not None else 0
         adaptive = config.k == "auto" and self.drafter is not None
@@ -123,6 +130,7 @@ class SpeculativeEngine:
                 proposal = self.drafter.propose(tokens, k_step, params, generator)
             else:
                 proposal = Proposal(torch.empty(1, 0, dtype=torch.long), None)
+            proposal = cut_to_grammar(proposal, grammar)  # drafts the grammar forbids are not verified
             drafted = proposal.num_tokens
             stats.draft_forwards += proposal.forwards
             verifying = time.perf_counter()
@@ -131,7 +139,8 @@ class SpeculativeEngine:
             # 2. Verify: one target forward over the pending token and the drafts.
             inputs = torch.cat([torch.tensor([[tokens[-1]]]), proposal.token_ids], dim=1)  # (1, 1 + k)
             logits = target.forward(inputs, cache)  # (1, 1 + k, V)
-            p = logits_to_probs(logits, params)  # (1, 1 + k, V)
+            allowed = grammar.masks_along(proposal.token_ids[0].tolist())[None] if grammar else None  # (1, 1 + k, V)
+            p = logits_to_probs(logits, params, allowed)  # (1, 1 + k, V)
 
             # 3. Accept/reject: accepted drafts, then one recovered or bonus token.
             result = verify(proposal.token_ids, proposal.probs, p, generator)
@@ -141,6 +150,8 @@ class SpeculativeEngine:
             # 4. Commit the pending token and the accepted drafts; rejected slots are just not kept.
             cache.commit(1 + num_accepted)
             tokens.extend(new_tokens)
+            if grammar is not None:
+                grammar.advance(new_tokens)
             verify_seconds = time.perf_counter() - verifying
             stats.record_step(drafted, num_accepted, proposal.source)
             stats.verify_seconds += verify_seconds
@@ -157,8 +168,11 @@ class SpeculativeEngine:
 class TextStream:
     """Iterates text deltas of one request; stops on eos ids, stop strings or max_new_tokens."""
 
-    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], config: GenerationConfig) -> None:
+    def __init__(
+        self, engine: SpeculativeEngine, prompt_ids: list[int], config: GenerationConfig, grammar: Grammar | None = None
+    ) -> None:
         self.engine = engine
+        self.grammar = grammar
         self.prompt_ids = prompt_ids
         self.config = config
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -191,7 +205,7 @@ class TextStream:
         text = self._text
         started = time.perf_counter()
         # 5. Stop checks after each step: eos id, max_new_tokens, stop strings.
-        for step in self.engine._steps(self.prompt_ids, config, self.stats):
+        for step in self.engine._steps(self.prompt_ids, config, self.stats, self.grammar):
             finish_reason = text.add_step(step.token_ids, eos, config.max_new_tokens)
             done = finish_reason is not None
             if done:

@@ -5,7 +5,8 @@ Every path calls it with the same `SamplingParams`: the drafter (q), the target 
 bonus token. Speculative decoding is lossless only with respect to the distribution the target
 path actually samples from, so the draft and target must be shaped by the same code.
 
-Filters run in a fixed order: temperature, top-k, top-p, min-p, then one softmax. Each filter
+Filters run in a fixed order: a grammar's mask of allowed tokens (structured output), temperature,
+top-k, top-p, min-p, then one softmax. Each filter
 sees the distribution left by the ones before it. Greedy decoding (temperature 0) skips them all
 and returns a one-hot row at the argmax. Verification then compares one-hot targets instead of
 running a ratio test on a softmax.
@@ -41,13 +42,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
     """Turn raw scores (..., V) into the float32 distribution (..., V) that decoding samples from.
 
-    Greedy gives a one-hot row at torch.argmax (ties go to the lowest index). Otherwise the
-    filters run in the order temperature, top-k, top-p, min-p, and a softmax follows. A token a
-    filter removes gets probability exactly 0. The top token always survives, so no row is empty.
+    allowed: (..., V) bool, a grammar's mask (each row allows at least one token); forbidden tokens get
+    probability exactly 0 before anything else runs. Greedy gives a one-hot row at torch.argmax (ties
+    go to the lowest index). Otherwise the filters run in the order temperature, top-k, top-p, min-p,
+    and a softmax follows. A token a filter removes gets probability exactly 0. The top token always
+    survives, so no row is empty.
     """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))  # (..., V)
     if params.greedy:
         return _one_hot_argmax(logits)  # (..., V)
     scores = logits.float() / params.temperature  # (..., V)

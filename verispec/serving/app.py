@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from verispec.grammar import SchemaError
 from verispec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from verispec.serving.protocol import (
     APIError,
@@ -219,6 +220,8 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(
                 429, str(error), code="rate_limit_exceeded", type="rate_limit_error", headers={"Retry-After": "1"}
             ) from None
+        except SchemaError as error:
+            raise APIError(400, str(error), "response_format", "invalid_json_schema") from None
         except ValueError as error:
             raise APIError(400, str(error)) from None
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"

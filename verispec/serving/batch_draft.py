@@ -17,6 +17,7 @@ import time
 import torch
 
 from verispec.drafters.base import LONG_TAIL, Proposal
+from verispec.grammar import Grammar, fit_mask
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -115,13 +116,17 @@ class BatchedDraftModel:
         generators: list[torch.Generator | None],
         drafting: list[bool] | None = None,
         catch_up_limit: int | None = None,
+        grammars: list[Grammar | None] | None = None,
     ) -> list[Proposal]:
         """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
 
         Rows with drafting[b] False propose nothing and are not brought up to date. A row further
         behind than LONG_TAIL catches up alone first, by at most catch_up_limit tokens a call (None:
-        all at once); until it is caught up it proposes nothing.
+        all at once); until it is caught up it proposes nothing. A row with a grammar drafts from q
+        masked by it at every position (its state walks the drafts and comes back), and stops drafting
+        once the document is complete.
         """
+        grammars = grammars if grammars is not None else [None] * len(tokens)
         n = len(tokens)
         drafting = list(drafting) if drafting is not None else [True] * n
         self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
@@ -138,22 +143,35 @@ class BatchedDraftModel:
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         logits = self._feed(tails)  # (n, V')
         drafted = torch.zeros(n, k, dtype=torch.long)  # (n, k)
+        lengths = [k if wants else 0 for wants in drafting]  # a row whose document is complete stops early
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row: k of (V,) when sampling
         for i in range(k):
             for b in range(n):
-                if not drafting[b]:
+                if lengths[b] <= i:
                     continue
-                if params[b].greedy:
+                grammar = grammars[b]
+                if grammar is not None and grammar.finished:
+                    lengths[b] = i
+                    continue
+                allowed = fit_mask(grammar.allowed(), logits.shape[-1]) if grammar is not None else None  # (V',)
+                if params[b].greedy and allowed is None:
                     drafted[b, i] = int(torch.argmax(logits[b, : self.target_vocab_size]))
                 else:
-                    q = self._to_target_vocab(logits_to_probs(logits[b], params[b]))  # (V,)
-                    probs[b].append(q)
+                    q = self._to_target_vocab(logits_to_probs(logits[b], params[b], allowed))  # (V,)
+                    if not params[b].greedy:
+                        probs[b].append(q)
                     drafted[b, i] = int(sample(q[None], generators[b])[0])
-            if i < k - 1:
-                logits = self._feed([[int(drafted[b, i])] if drafting[b] else None for b in range(n)])  # (n, V')
+                if grammar is not None:
+                    grammar.advance([int(drafted[b, i])])
+            if i < k - 1 and any(length > i + 1 for length in lengths):
+                rows = [[int(drafted[b, i])] if lengths[b] > i + 1 else None for b in range(n)]
+                logits = self._feed(rows)  # (n, V')
+        for grammar, length in zip(grammars, lengths):
+            if grammar is not None:
+                grammar.rollback(length)  # it advanced once per drafted token
         return [
-            Proposal(drafted[b : b + 1], torch.stack(probs[b])[None] if probs[b] else None, k, self.source)
-            if drafting[b]
+            Proposal(drafted[b : b + 1, : lengths[b]], torch.stack(probs[b])[None] if probs[b] else None, k, self.source)
+            if drafting[b] and lengths[b]
             else Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
             for b in range(n)
         ]

@@ -3,6 +3,7 @@
 Types are strict (`"temperature": "0.5"` is an error, not 0.5): a client that sends the wrong
 type has a bug worth hearing about. OpenAI fields that would change the output but are not
 implemented (n > 1, penalties, logit_bias, echo, tools, ...) are refused with a 400;
+response_format json_object / json_schema constrain the output with a grammar (verispec.grammar);
 fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
 Extensions beyond OpenAI, as in vLLM: top_k, min_p, ignore_eos.
 """
@@ -19,6 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from verispec.engine import GenerationConfig
+from verispec.grammar import ANY_JSON_OBJECT
 from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when the request gives none; lowered to what the context leaves
@@ -136,6 +138,34 @@ class StreamOptions(BaseModel):
     include_usage: Flag = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema. The schema is enforced exactly whether or not strict is set."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(default_factory=lambda: dict(ANY_JSON_OBJECT), alias="schema")
+    strict: Flag | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object ({'name': ..., 'schema': {...}})")
+        return self
+
+    def required_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the completion must follow; None for plain text."""
+        if self.type == "json_object":
+            return dict(ANY_JSON_OBJECT)
+        return self.json_schema.json_schema if self.type == "json_schema" else None
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -156,6 +186,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
+    response_format: ResponseFormat | None = None  # structured output: json_object or json_schema
     user: Text | None = None
 
     @field_validator("stop", mode="before")
@@ -180,6 +211,12 @@ class _GenerationRequest(BaseModel):
     _refuse_generation_fields = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(
         _refuse_when_set
     )
+
+    @model_validator(mode="after")
+    def _structured_output_ends(self) -> "_GenerationRequest":
+        if self.ignore_eos and self.response_format is not None and self.response_format.required_schema() is not None:
+            raise ValueError("ignore_eos cannot be combined with a JSON response_format: the document ends at eos")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -210,6 +247,7 @@ class _GenerationRequest(BaseModel):
             stop_strings=tuple(self.stop),
             eos_token_ids=() if self.ignore_eos else None,
             logprobs=self.requested_logprobs(),
+            json_schema=self.response_format.required_schema() if self.response_format is not None else None,
         )
 
 
@@ -281,7 +319,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     _refuse_chat_fields = field_validator("tools", "functions")(_refuse_when_set)
 
@@ -293,13 +330,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise _unsupported(f"response_format type {value.get('type')!r}")
-        return value
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins

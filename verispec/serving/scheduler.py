@@ -35,6 +35,7 @@ import torch
 from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
+from verispec.grammar import Grammar, cut_to_grammar, grammar_for
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings, moving_average
@@ -161,6 +162,7 @@ class _Sequence:
     eos: frozenset[int]
     submitted: float
     drafter: Drafter | None = None  # a model-free drafter of its own (the draft model is shared, batched)
+    grammar: Grammar | None = None  # structured output: the tokens its JSON schema allows, at the committed state
     stats: SequenceStats = field(default_factory=SequenceStats)
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
@@ -264,8 +266,8 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], config: GenerationConfig) -> RequestHandle:
         """Queue a request; its events arrive on the returned handle.
 
-        Raises ValueError for a request that can never run (empty, or longer than max_context) and
-        QueueFullError when max_waiting requests already wait beyond the free batch rows, and
+        Raises ValueError for a request that can never run (empty, longer than max_context, a JSON schema
+        the grammar engine cannot compile: SchemaError) and QueueFullError when max_waiting requests already wait beyond the free batch rows, and
         RuntimeError once the scheduler was stopped or its loop died.
         """
         if self._stopping.is_set() or self.failure is not None:
@@ -282,8 +284,9 @@ class Scheduler:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        handle = RequestHandle(loop)
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
+        grammar = grammar_for(self.target, config.json_schema, eos) if config.json_schema is not None else None
+        handle = RequestHandle(loop)
         sequence = _Sequence(
             handle=handle,
             prompt_ids=list(prompt_ids),
@@ -293,6 +296,7 @@ class Scheduler:
             text=TextAssembler(self.target.decode, config.stop_strings),
             eos=frozenset(eos),
             submitted=time.perf_counter(),
+            grammar=grammar,
             stats=SequenceStats(prompt_tokens=len(prompt_ids)),
         )
         with self._lock:
@@ -473,7 +477,7 @@ class Scheduler:
             batched = self.draft.propose(
                 [s.tokens for s in active], k_step,
                 [s.config.sampling for s in active], [s.generator for s in active], drafting,
-                self._catch_up_limit(),
+                self._catch_up_limit(), [s.grammar for s in active],
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
@@ -481,8 +485,9 @@ class Scheduler:
         for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
             if k > 0 and source != model:
                 started = time.perf_counter()
-                proposals[row] = sequence.drafter.propose(
-                    sequence.tokens, k, sequence.config.sampling, sequence.generator
+                proposals[row] = cut_to_grammar(  # a lookup's drafts stop where the grammar forbids one
+                    sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator),
+                    sequence.grammar,
                 )
                 seconds[source] = seconds.get(source, 0.0) + time.perf_counter() - started
         trimmed = []  # a row near its max_tokens keeps only drafts it can still use
@@ -548,7 +553,10 @@ class Scheduler:
         new_tokens: list[list[int]] = []
         for b, (sequence, proposal) in enumerate(zip(active, proposals)):
             used = 1 + proposal.num_tokens
-            p = logits_to_probs(logits[b : b + 1, :used], sequence.config.sampling)  # (1, 1 + k_b, V)
+            allowed = None  # (1, 1 + k_b, V) under a grammar: its mask at every verified position
+            if sequence.grammar is not None:
+                allowed = sequence.grammar.masks_along(proposal.token_ids[0].tolist())[None]
+            p = logits_to_probs(logits[b : b + 1, :used], sequence.config.sampling, allowed)  # (1, 1 + k_b, V)
             result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
             accepted.append(int(result.num_accepted[0]))
             new_tokens.append(result.token_ids[0, : accepted[-1] + 1].tolist())
@@ -573,6 +581,8 @@ class Scheduler:
                 batch_size=n,
             )
             sequence.tokens.extend(tokens)
+            if sequence.grammar is not None:
+                sequence.grammar.advance(tokens)
             logprobs = None
             if sequence.config.logprobs is not None:  # the target's scores at each emitted token
                 logprobs = token_logprobs(logits[b], tokens, sequence.config.logprobs)
