@@ -16,6 +16,7 @@ import time
 from typing import Callable, NamedTuple
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -246,6 +247,63 @@ def test_chat_greedy_equals_library(client, target):
     check_speculative(response.model_extra["speculative"], len(expected.token_ids))
 
 
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "ok": {"type": "boolean"}},
+    "required": ["name", "count", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_json_schema_equals_library_and_validates(client, target):
+    """Greedy with a schema, with speculation on: the library's constrained plain decoding, a valid document."""
+    prompt = target.apply_chat_template("Describe a point")
+    expected = SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=60, json_schema=RECORD_SCHEMA))
+    response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA, "strict": True}}
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a point"}], max_completion_tokens=60,
+        temperature=0, response_format=response_format,
+    )
+    content = response.choices[0].message.content
+    assert content == expected.text and response.choices[0].finish_reason == "stop"
+    document = json.loads(content)
+    jsonschema.validate(document, RECORD_SCHEMA)
+    assert list(document) == ["name", "count", "ok"]  # properties come in the schema's order
+    assert response.model_extra["speculative"]["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_json_object_streams_sampled_documents_that_parse(client, endpoint):
+    """Sampled (temperature 1) json_object documents from both endpoints, streamed: each that ends parses as an
+    object; one cut by max_tokens used them all."""
+    finished = 0
+    for seed in range(8):  # a seed gives the same sample every run (k is fixed), so this is no coin flip
+        common = {"model": MODEL, "max_tokens": 150, "temperature": 1.0, "seed": seed, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        json_object = {"type": "json_object"}
+        if endpoint == "chat":
+            stream = client.chat.completions.create(
+                messages=[{"role": "user", "content": "def add(a, b):"}], response_format=json_object, **common
+            )
+        else:  # the client's completions have no response_format argument; the server takes it (as vLLM does)
+            stream = client.completions.create(
+                prompt="def add(a, b):", extra_body={"response_format": json_object}, **common
+            )
+        text, finish_reason, usage = "", None, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += (choice.delta.content or "") if endpoint == "chat" else choice.text
+                finish_reason = choice.finish_reason or finish_reason
+        if finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+        else:
+            assert finish_reason == "length" and usage.completion_tokens == 150
+    assert finished >= 1
+
+
 def test_token_id_prompt_and_stop_string_match_library(client, target):
     prompt = "class Point:"
     full = library(target, prompt, 30).text
@@ -464,6 +522,17 @@ BAD_REQUESTS = {
     "presence-penalty": Bad(COMPLETIONS, good(presence_penalty=0.5), 400, UNSUPPORTED, "presence_penalty"),
     "frequency-penalty": Bad(CHAT, chat(frequency_penalty=-1), 400, UNSUPPORTED, "frequency_penalty"),
     "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),
+    "schema-invalid": Bad(
+        CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+        400, "invalid_json_schema", "response_format",
+    ),
+    "schema-missing": Bad(CHAT, chat(response_format={"type": "json_schema"}), 400, None, "response_format"),
+    "schema-unnamed": Bad(
+        COMPLETIONS, good(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400,
+        "missing_required_parameter", "response_format.json_schema.name",
+    ),
+    "response-format-type": Bad(CHAT, chat(response_format={"type": "yaml"}), 400, None, "response_format.type"),
+    "schema-with-ignore-eos": Bad(COMPLETIONS, good(response_format={"type": "json_object"}, ignore_eos=True), 400),
     "too-large": Bad(COMPLETIONS, good(prompt="a" * MAX_REQUEST_BYTES), 413, "request_too_large"),
     "too-large-chunked": Bad(COMPLETIONS, oversized_chunks, 413, "request_too_large"),
     "unknown-path": Bad("POST /v1/engines", good(), 404, "not_found"),

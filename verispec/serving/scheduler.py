@@ -35,7 +35,7 @@ import torch
 from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
-from verispec.grammar import Grammar, cut_to_grammar, grammar_for
+from verispec.grammar import Grammar, SchemaError, compiler_for, cut_to_grammar, grammar_for
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings, moving_average
@@ -743,4 +743,8 @@ def build_scheduler(
     limits = dataclasses.replace(
         limits, max_context=min(limits.max_context, target_model.model.config.max_position_embeddings)
     )
+    try:  # the first request with a response_format would otherwise wait for it
+        compiler_for(target_model)
+    except SchemaError:
+        pass  # such requests get the reason as a 400
     return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill)
