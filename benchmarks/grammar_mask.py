@@ -25,7 +25,9 @@ INSTANCES = {
     "customer": {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "vip": True},
     "order": {
         "order_id": "A-1042", "status": "shipped",
-        "items": [{"sku": "KB-17", "quantity": 2, "unit_price": 49.5}, {"sku": "MS-3", "quantity": 1, "unit_price": 19.99}],
+        "items": [
+            {"sku": "KB-17", "quantity": 2, "unit_price": 49.5}, {"sku": "MS-3", "quantity": 1, "unit_price": 19.99}
+        ],
     },
     "ticket": {
         "category": "shipping", "priority": "high", "summary": "Parcel marked delivered but never arrived.",

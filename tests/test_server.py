@@ -249,8 +249,11 @@ def test_chat_greedy_equals_library(client, target):
 
 RECORD_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "ok": {"type": "boolean"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
     "required": ["name", "count", "ok"],
     "additionalProperties": False,
 }
@@ -259,8 +262,10 @@ RECORD_SCHEMA = {
 def test_chat_json_schema_equals_library_and_validates(client, target):
     """Greedy with a schema, with speculation on: the library's constrained plain decoding, a valid document."""
     prompt = target.apply_chat_template("Describe a point")
-    expected = SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=60, json_schema=RECORD_SCHEMA))
-    response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA, "strict": True}}
+    config = GenerationConfig(max_new_tokens=60, json_schema=RECORD_SCHEMA)
+    expected = SpeculativeEngine(target).generate(prompt, config)
+    named_schema = {"name": "record", "schema": RECORD_SCHEMA, "strict": True}
+    response_format = {"type": "json_schema", "json_schema": named_schema}
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a point"}], max_completion_tokens=60,
         temperature=0, response_format=response_format,
@@ -523,7 +528,7 @@ BAD_REQUESTS = {
     "frequency-penalty": Bad(CHAT, chat(frequency_penalty=-1), 400, UNSUPPORTED, "frequency_penalty"),
     "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),
     "schema-invalid": Bad(
-        CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+        CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}),
         400, "invalid_json_schema", "response_format",
     ),
     "schema-missing": Bad(CHAT, chat(response_format={"type": "json_schema"}), 400, None, "response_format"),

@@ -95,7 +95,9 @@ class SpeculativeEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds "
                 f"the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
-        grammar = grammar_for(self.target, config.json_schema, config.eos_token_ids) if config.json_schema else None
+        grammar = None  # an empty schema ({}) still asks for one JSON document
+        if config.json_schema is not None:
+            grammar = grammar_for(self.target, config.json_schema, config.eos_token_ids)
         return TextStream(self, prompt_ids, config, grammar)
 
     def _steps(

@@ -53,7 +53,6 @@ class GrammarCompiler:
         if not eos_token_ids:
             raise ValueError("structured output needs the model's end-of-sequence ids, to end a finished document")
         self.vocab_size = vocab_size  # the model's logits width (>= the tokenizer's vocabulary)
-        self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
     def json_schema(self, schema: dict[str, Any]) -> "Grammar":
@@ -132,7 +131,6 @@ class Grammar:
         """Undo the last num_tokens advances (drafting walks ahead and comes back)."""
         if num_tokens and not self._matcher.rollback(num_tokens):
             raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self._matcher.get_error()}")
-
 
 
 def fit_mask(mask: torch.Tensor, width: int) -> torch.Tensor:

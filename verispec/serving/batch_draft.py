@@ -170,7 +170,9 @@ class BatchedDraftModel:
             if grammar is not None:
                 grammar.rollback(length)  # it advanced once per drafted token
         return [
-            Proposal(drafted[b : b + 1, : lengths[b]], torch.stack(probs[b])[None] if probs[b] else None, k, self.source)
+            Proposal(
+                drafted[b : b + 1, : lengths[b]], torch.stack(probs[b])[None] if probs[b] else None, k, self.source
+            )
             if drafting[b] and lengths[b]
             else Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
             for b in range(n)

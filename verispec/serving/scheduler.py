@@ -267,8 +267,8 @@ class Scheduler:
         """Queue a request; its events arrive on the returned handle.
 
         Raises ValueError for a request that can never run (empty, longer than max_context, a JSON schema
-        the grammar engine cannot compile: SchemaError) and QueueFullError when max_waiting requests already wait beyond the free batch rows, and
-        RuntimeError once the scheduler was stopped or its loop died.
+        the grammar engine cannot compile: SchemaError), QueueFullError when max_waiting requests already
+        wait beyond the free batch rows, and RuntimeError once the scheduler was stopped or its loop died.
         """
         if self._stopping.is_set() or self.failure is not None:
             raise RuntimeError("the scheduler is not running")
