@@ -125,3 +125,47 @@ def test_bench_check_pass_at_1_with_two_target_formats(tmp_path, tiny_dir, other
 def test_bench_check_needs_tests_in_the_workload(capsys, tiny_dir):
     assert main(["bench", "--target", str(tiny_dir), "--workload", "chat", "--check", "pass@1"]) == 2
     assert "entry_point" in capsys.readouterr().err
+
+
+def test_bench_structured_output_with_and_without_schema(tmp_path, tiny_dir):
+    """--schema both: every mode runs free and constrained; constrained outputs all validate, and each
+    family is compared with its own plain (greedy spec == plain under the schema too)."""
+    schema = {"type": "array", "items": {"enum": ["add", "def"]}, "maxItems": 2}
+    workload = tmp_path / "w.jsonl"
+    lines = [{"prompt": "def add(a, b):\n", "json_schema": schema},
+             {"messages": [{"role": "user", "content": "list two words"}], "json_schema": schema},
+             {"prompt": "no schema here"}]
+    workload.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--target", str(tiny_dir), "--workload", str(workload), "--modes", "plain,lookup",
+        "--k", "3", "--max-new-tokens", "24", "--dtype", "float32", "--schema", "both", "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    by_mode = {s["mode"]: s for s in results["summary"]}
+    assert list(by_mode) == ["plain", "lookup-k3", "plain+schema", "lookup-k3+schema"]
+    assert results["baselines"] == {"plain": "plain", "lookup-k3": "plain",
+                                    "plain+schema": "plain+schema", "lookup-k3+schema": "plain+schema"}
+    assert by_mode["plain+schema"]["schema_valid"] == 1.0 and by_mode["lookup-k3+schema"]["schema_valid"] == 1.0
+    assert by_mode["plain"]["schema_valid"] < 1.0  # random weights, unconstrained: no valid documents
+    assert all(s["identical_to_baseline"] == 1.0 for s in by_mode.values())
+    constrained, free = (results["prompts"][0]["runs"][name]["token_ids"] for name in ("plain+schema", "plain"))
+    assert constrained != free
+    report = (out / "report.md").read_text()
+    assert "| schema-valid |" in report and "| plain+schema |" in report and "against `plain+schema`" in report
+
+
+def test_bench_schema_errors(tmp_path, tiny_dir, capsys):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "x"}\n')
+    assert main(["bench", "--target", str(tiny_dir), "--workload", str(plain), "--schema", "both"]) == 2
+    assert "json_schema" in capsys.readouterr().err
+    schemas = tmp_path / "schemas.jsonl"
+    schemas.write_text('{"prompt": "x", "json_schema": {"type": "integer"}}\n')
+    assert main(["bench", "--target", str(tiny_dir), "--workload", str(schemas), "--modes", "plain,hf-plain"]) == 2
+    assert "--schema off" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "json_schema": "object"}\n')
+    with pytest.raises(ValueError, match="JSON Schema object"):
+        load_workload(str(bad))

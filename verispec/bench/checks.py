@@ -63,3 +63,26 @@ def pass_at_1(
                 on_check()
         scores[mode] = {"pass_at_1": len(passed) / len(prompts), "passed": passed}
     return scores
+
+
+def schema_valid(prompts: list[dict], texts_by_mode: dict[str, list[str]]) -> dict[str, dict]:
+    """mode -> {"schema_valid": share of outputs that are, as they stand, one JSON document valid under
+    their prompt's json_schema}; only prompts with a schema count. Free-running modes are scored too:
+    what a client would have to parse without structured output."""
+    import json
+
+    import jsonschema
+
+    scores = {}
+    for mode, texts in texts_by_mode.items():
+        valid = []
+        for prompt, text in zip(prompts, texts):
+            if "json_schema" not in prompt:
+                continue
+            try:
+                jsonschema.validate(json.loads(text), prompt["json_schema"])
+                valid.append(True)
+            except (json.JSONDecodeError, jsonschema.ValidationError):
+                valid.append(False)
+        scores[mode] = {"schema_valid": sum(valid) / len(valid) if valid else None}
+    return scores

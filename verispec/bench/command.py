@@ -20,6 +20,10 @@ DRAFTER_OF_MODE = {  # our speculative modes, one per drafter; each runs once pe
 }
 
 
+SCHEMA_CHOICES = ("on", "off", "both")
+SCHEMA_SUFFIX = "+schema"
+
+
 def mode_name(mode: str, k: int | str) -> str:
     return f"{mode}-auto" if k == "auto" else f"{mode}-k{k}"
 
@@ -81,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "test and entry_point); generation stops at the end of the function. With a check, plain runs only "
         "if listed in --modes and the first mode is the baseline",
     )
+    parser.add_argument(
+        "--schema", choices=SCHEMA_CHOICES, default="on",
+        help="prompts' json_schema (structured output): on (constrain), off (ignore), both (every mode twice: "
+        "free, and constrained as MODE+schema, each against its own plain)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
 
@@ -130,7 +139,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from verispec.bench.checks import COMPLETION_STOPS, pass_at_1, require_checkable
+    from verispec.bench.checks import COMPLETION_STOPS, pass_at_1, require_checkable, schema_valid
     from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
@@ -149,6 +158,15 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = load_workload(args.workload, args.limit)
     if args.check:
         require_checkable(prompts, args.workload)
+    with_schemas = any("json_schema" in p for p in prompts)
+    if args.schema == "off":
+        prompts = [{key: value for key, value in p.items() if key != "json_schema"} for p in prompts]
+        with_schemas = False
+    elif args.schema == "both" and not with_schemas:
+        raise ValueError(f'--schema both: no prompt of workload {args.workload!r} has a "json_schema"')
+    if with_schemas and {"hf-plain", "hf-assisted"} & set(args.modes):
+        raise ValueError("hf-plain / hf-assisted cannot apply the workload's json_schema: pass --schema off, "
+                         "or leave them out of --modes")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=args.temperature), seed=args.seed,
         stop_strings=COMPLETION_STOPS if args.check else (),
@@ -169,7 +187,19 @@ def run_bench(args: argparse.Namespace) -> int:
             for mode in built:
                 mode.name = f"{mode.name}[{target.format.choice.label}]"
         modes += built
+    if args.schema == "both":  # the same modes run free, each on an engine (and controller) of its own
+        from verispec.bench.modes import EngineMode
+        from verispec.engine import SpeculativeEngine
+
+        for mode in list(modes):
+            modes.append(EngineMode(mode.name + SCHEMA_SUFFIX, SpeculativeEngine(mode.engine.target, mode.engine.drafter),
+                                    mode.k))
+            mode.constrained = False
     target = targets[0]
+
+    def baseline_of(mode) -> str:
+        """The first mode run the same way (constrained or free): its plain decoding."""
+        return next(m.name for m in modes if m.constrained == mode.constrained)
 
     def render(prompt: dict) -> str:
         if "prompt" in prompt:
@@ -191,7 +221,12 @@ def run_bench(args: argparse.Namespace) -> int:
         )
 
     greedy = config.sampling.greedy
-    summaries = [summarize_mode(results, m.name, modes[0].name, greedy) for m in modes]
+    summaries = [summarize_mode(results, m.name, baseline_of(m), greedy) for m in modes]
+    if with_schemas:
+        texts = {m.name: [target.decode(r.runs[m.name].token_ids) for r in results] for m in modes}
+        validity = schema_valid(prompts, texts)
+        for summary in summaries:
+            summary.update(validity[summary["mode"]])
     if args.check:
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True
@@ -225,6 +260,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "draft_quantize": args.draft_quantize,
         "target_formats": [t.format.as_dict() for t in targets],
         "baseline": modes[0].name,
+        "baselines": {m.name: baseline_of(m) for m in modes},
+        "schema": args.schema if with_schemas or args.schema == "off" else None,
         "check": args.check,
         "stop_strings": list(config.stop_strings),
         "note": "peak_rss_gib is for the whole process: all modes share it",

@@ -43,15 +43,19 @@ class Run:
 
 
 class EngineMode:
-    """Our engine: plain (k = 0) or speculative with a given drafter and k."""
+    """Our engine: plain (k = 0) or speculative with a given drafter and k.
 
-    def __init__(self, name: str, engine: SpeculativeEngine, k: int) -> None:
-        self.name, self.engine, self.k = name, engine, k
+    constrained: the prompt's json_schema (if any) constrains the output; False runs it free.
+    """
+
+    def __init__(self, name: str, engine: SpeculativeEngine, k: int, constrained: bool = True) -> None:
+        self.name, self.engine, self.k, self.constrained = name, engine, k, constrained
 
     def run(self, prompt: str, config: GenerationConfig) -> Run:
         config = GenerationConfig(
             max_new_tokens=config.max_new_tokens, sampling=config.sampling, seed=config.seed,
             stop_strings=config.stop_strings, eos_token_ids=config.eos_token_ids, k=self.k,
+            json_schema=config.json_schema if self.constrained else None,
         )
         started = time.perf_counter()
         times: list[float] = []
@@ -86,6 +90,8 @@ class _TimingStreamer:
 
 class HuggingFaceMode:
     """Hugging Face `generate`, plain or with `assistant_model`, on the same weights and dtype."""
+
+    constrained = False  # no json_schema support: the bench refuses such modes on a workload with schemas
 
     def __init__(self, name: str, model, tokenizer, eos_token_ids, assistant=None, assistant_tokens: int | None = None):
         self.name, self.model, self.tokenizer = name, model, tokenizer

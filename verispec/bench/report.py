@@ -10,7 +10,7 @@ from verispec.bench.runner import PromptRuns
 
 COLUMNS = [
     "mode", "tok/s", "decode tok/s (med)", "TTFT s (med)", "latency p50/p95 ms",
-    "speedup (geomean, 95% CI)", "accept", "tok/fwd", "same as plain", "pass@1",
+    "speedup (geomean, 95% CI)", "accept", "tok/fwd", "same as plain", "pass@1", "schema-valid",
 ]
 
 
@@ -33,6 +33,7 @@ def cells(summary: dict) -> list[str]:
         format_or_dash(summary.get("mean_tokens_per_target_forward"), "{:.2f}"),
         format_or_dash(summary.get("identical_to_baseline"), "{:.0%}"),
         format_or_dash(summary.get("pass_at_1"), "{:.1%}"),
+        format_or_dash(summary.get("schema_valid"), "{:.0%}"),
     ]
 
 
@@ -88,6 +89,15 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
         *rows,
         "",
     ]
+    if meta.get("schema") == "both":
+        lines += [
+            "Each prompt's json_schema constrains the `+schema` modes (structured output); their speedup and "
+            "\"same as plain\" are against `plain+schema`, the free modes' against `plain`.",
+            "",
+        ]
+    if any(s.get("schema_valid") is not None for s in summaries):
+        lines += ["schema-valid: share of outputs that, as they stand, parse as one JSON document valid under the "
+                  "prompt's schema (free modes included: what a client would get without structured output).", ""]
     if meta.get("check") == "pass@1":
         lines += [
             "pass@1: greedy, generation stopped at the end of the function; each output run against its "
@@ -100,7 +110,7 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
         for s in spec:
             lines.append(f"- {s['mode']}: " + ", ".join(f"{a:.0%}" for a in s["acceptance_by_position"]))
         lines.append("")
-    adaptive = [s for s in summaries if s["mode"].endswith("-auto")]
+    adaptive = [s for s in summaries if "-auto" in s["mode"]]
     if adaptive:
         lines += ["Drafts per step chosen by `auto` (k: steps), and its own estimate of the speedup over plain:", ""]
         for s in adaptive:
@@ -163,8 +173,8 @@ def plot(out: Path, summaries: list[dict], results: list[PromptRuns]) -> list[st
 
     by_k: dict[str, list[tuple[int, float]]] = {}
     for s in summaries:
-        if match := re.fullmatch(r"(.+)-k(\d+)", s["mode"]):
-            by_k.setdefault(match.group(1), []).append((int(match.group(2)), s["speedup_geomean"]))
+        if match := re.fullmatch(r"(.+)-k(\d+)(.*)", s["mode"]):  # the family: the name without k
+            by_k.setdefault(match.group(1) + match.group(3), []).append((int(match.group(2)), s["speedup_geomean"]))
     if any(len(points) > 1 for points in by_k.values()):
         fig, ax = plt.subplots(figsize=(6, 4))
         for family, points in by_k.items():

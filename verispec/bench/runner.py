@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -27,14 +27,18 @@ def run_all(
     count_tokens: Callable[[str], int],
     on_run: Callable[[str, str], None] | None = None,
 ) -> list[PromptRuns]:
-    """Each prompt through every mode; the mode order rotates per prompt so drift hits all alike."""
+    """Each prompt through every mode; the mode order rotates per prompt so drift hits all alike.
+
+    A prompt's "json_schema" goes into its config (modes that run free drop it).
+    """
     results = []
     for index, prompt in enumerate(prompts):
         text = render(prompt)
+        prompt_config = replace(config, json_schema=prompt.get("json_schema"))
         shift = index % len(modes)
         runs = {}
         for mode in modes[shift:] + modes[:shift]:
-            runs[mode.name] = mode.run(text, config)
+            runs[mode.name] = mode.run(text, prompt_config)
             if on_run is not None:
                 on_run(prompt["id"], mode.name)
         results.append(PromptRuns(prompt["id"], count_tokens(text), {m.name: runs[m.name] for m in modes}))

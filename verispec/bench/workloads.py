@@ -95,6 +95,10 @@ def _parse_jsonl(text: str, source: str) -> list[dict]:
         entry = {"id": str(item.get("id", f"{Path(source).stem}/{number}"))}
         entry.update({"prompt": item["prompt"]} if "prompt" in item else {"messages": item["messages"]})
         entry.update({key: item[key] for key in ("test", "entry_point") if isinstance(item.get(key), str)})
+        if "json_schema" in item:
+            if not isinstance(item["json_schema"], dict):
+                raise ValueError(f'{source} line {number}: "json_schema" must be a JSON Schema object')
+            entry["json_schema"] = item["json_schema"]
         prompts.append(entry)
     if not prompts:
         raise ValueError(f"{source} holds no prompts")
@@ -102,7 +106,10 @@ def _parse_jsonl(text: str, source: str) -> list[dict]:
 
 
 def load_workload(name_or_file: str, limit: int | None = None) -> list[dict]:
-    """A named workload or a JSONL file of {"prompt": ...} / {"messages": [...]} lines."""
+    """A named workload or a JSONL file of {"prompt": ...} / {"messages": [...]} lines.
+
+    A line may also carry "json_schema": the completion is then constrained to it (structured output).
+    """
     builders = {"humaneval": humaneval, "code-edit": code_edit, "chat": chat}
     if name_or_file in builders:
         prompts = builders[name_or_file]()
