@@ -212,6 +212,20 @@ def test_masks_along_reads_each_position_and_leaves_the_state(target, law):
     assert torch.equal(grammar.allowed(), masks[2])
 
 
+def test_masks_along_drafts_past_the_end_of_the_document_leave_the_state(target, law):
+    """A lookup may draft the closing token, eos and more: a finished matcher records no more tokens, so
+    rolling back one per draft would undo a committed token too (seen on the real pair, composite drafter)."""
+    grammar = grammar_for(target, SMALL_SCHEMA)
+    document = list(max(law))
+    grammar.advance(document[:1])
+    after_first = grammar.allowed()
+    masks = grammar.masks_along(document[1:] + [target.eos_token_ids[0]])  # eos twice: drafted past the end
+    assert torch.equal(masks[0], after_first) and torch.equal(grammar.allowed(), after_first)
+    assert grammar.valid_prefix(document[1:]) == len(document) - 1
+    grammar.advance(document[1:])
+    assert grammar.finished
+
+
 def test_cut_keeps_a_sampled_drafts_first_forbidden_token_and_drops_a_lookups(target, law):
     grammar = grammar_for(target, SMALL_SCHEMA)
     document = list(next(iter(law)))

@@ -111,12 +111,15 @@ class Grammar:
         if valid < len(tokens) - 1:
             raise ValueError(f"draft token {tokens[valid]} at position {valid} is forbidden and not the last")
         masks = [self.allowed()]
+        consumed = 0  # a finished matcher records no more tokens, so only these are rolled back
         for token in tokens[:valid]:
-            self._matcher.consume_token(token)
+            if not self.finished:
+                self._matcher.consume_token(token)
+                consumed += 1
             masks.append(self.allowed())  # once finished: the end-of-sequence ids
         if valid < len(tokens):
             masks.append(masks[-1])
-        self.rollback(valid)
+        self.rollback(consumed)
         return torch.stack(masks)  # (T + 1, V)
 
     def advance(self, tokens: Sequence[int]) -> None:
