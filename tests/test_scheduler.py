@@ -399,3 +399,45 @@ def test_a_row_far_behind_catches_up_in_pieces_while_the_others_draft(target, dr
     alone.add(0)
     assert alone.propose([long], 2, greedy[:1], [None])[0].num_tokens == 2  # no limit: at once
     assert alone.catch_up_tokens == len(long) - 1
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "composite"])
+def test_choices_of_one_request_share_its_prefill_and_each_equals_a_single_request(target, draft, drafter):
+    """n choices: the prompt goes in once (no prefix cache here: the others copy its rows, target and draft);
+    greedy choices equal plain decoding, a sampled choice i equals a request alone with seed + i (fixed k)."""
+    prompt = PROMPTS[1]
+    limits = SchedulerLimits(max_batch_size=4, max_context=256, prefix_cache_bytes=0)
+    sampled = SamplingParams(temperature=1.0)
+
+    def choices(configs: list[GenerationConfig]) -> list[list]:
+        scheduler = Scheduler(target, draft.model, drafter, k=3, limits=limits)
+        handles = scheduler.submit_choices(target.encode(prompt), configs)
+        scheduler.start()
+        try:
+            return [list(handle.iter_events()) for handle in handles]
+        finally:
+            scheduler.stop()
+
+    greedy = choices([GenerationConfig(max_new_tokens=30)] * 3)
+    want = plain_tokens(target, prompt, 30)
+    for events in greedy:
+        assert [t for e in events for t in e.token_ids] == want
+    prompt_length = len(target.encode(prompt))
+    assert [events[-1].stats.cached_prompt_tokens for events in greedy] == [0, prompt_length - 1, prompt_length - 1]
+    assert all(events[-1].stats.drafted_tokens > 0 for events in greedy)
+
+    together = choices([GenerationConfig(max_new_tokens=20, sampling=sampled, seed=7 + i) for i in range(3)])
+    alone = [choices([GenerationConfig(max_new_tokens=20, sampling=sampled, seed=7 + i)])[0] for i in range(3)]
+    outputs = [[t for e in events for t in e.token_ids] for events in together]
+    assert outputs == [[t for e in events for t in e.token_ids] for events in alone]
+    assert len({tuple(o) for o in outputs}) > 1  # different seeds, different samples
+
+
+def test_too_many_choices_for_the_batch_or_queue_are_refused_whole(target):
+    scheduler = Scheduler(target, limits=SchedulerLimits(max_batch_size=2, max_waiting=1, max_context=64))
+    with pytest.raises(ValueError, match="exceed the batch"):
+        scheduler.submit_choices(target.encode("x"), [GenerationConfig(max_new_tokens=4)] * 3)
+    scheduler.submit_choices(target.encode("x"), [GenerationConfig(max_new_tokens=4)] * 2)
+    with pytest.raises(QueueFullError):
+        scheduler.submit_choices(target.encode("x"), [GenerationConfig(max_new_tokens=4)] * 2)
+    assert scheduler.num_waiting == 2  # the refused request queued none of its choices

@@ -278,6 +278,56 @@ def test_chat_json_schema_equals_library_and_validates(client, target):
     assert response.model_extra["speculative"]["drafted_tokens"] > 0
 
 
+def test_penalties_and_logit_bias_equal_the_library(client, target):
+    """Greedy with every penalty and a logit_bias, served with speculation: the library's plain decoding under
+    the same settings, which differs from decoding without them."""
+    from verispec.sampling import SamplingParams
+
+    bias = {str(target.encode(" return")[0]): 3.0, str(target.encode("def")[0]): -100}
+    params = SamplingParams(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.4,
+                            logit_bias=tuple(sorted((int(key), value) for key, value in bias.items())))
+    prompt = "def add(a, b):\n    return a + b\n\ndef"
+    expected = SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=40, sampling=params)).text
+    unpenalized = SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=40)).text
+    assert expected != unpenalized
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, presence_penalty=0.6, frequency_penalty=0.9,
+        logit_bias=bias, extra_body={"repetition_penalty": 1.4},
+    )
+    assert response.choices[0].text == expected
+    assert response.model_extra["speculative"]["drafted_tokens"] > 0
+
+
+def test_n_choices_whole_and_streamed(client, target):
+    """n = 3 sampled choices with a seed: indexed 0..2, usage counts the prompt once and every choice; the
+    streamed response carries the same three texts, interleaved by index; greedy choices are all plain."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    common = dict(model=MODEL, messages=messages, max_completion_tokens=24, temperature=1.0, seed=11, n=3)
+    whole = client.chat.completions.create(**common)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1
+    single = client.chat.completions.create(**{**common, "n": 1})
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert 3 <= whole.usage.completion_tokens <= 3 * 24
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert single.choices[0].message.content == texts[0]  # choice 0 samples with the request's seed
+    assert len(whole.model_extra["speculative_choices"]) == 3
+    streamed = ["", "", ""]
+    finished = set()
+    for chunk in client.chat.completions.create(**common, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert streamed == texts and finished == {0, 1, 2}
+    plain = SpeculativeEngine(target).generate(
+        target.apply_chat_template("def add(a, b):"), GenerationConfig(max_new_tokens=24)
+    ).text
+    greedy = client.chat.completions.create(**{**common, "temperature": 0})
+    assert [c.message.content for c in greedy.choices] == [plain] * 3
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_json_object_streams_sampled_documents_that_parse(client, endpoint):
     """Sampled (temperature 1) json_object documents from both endpoints, streamed: each that ends parses as an
@@ -517,15 +567,21 @@ BAD_REQUESTS = {
     "stream-string": Bad(COMPLETIONS, good(stream="yes"), 400, None, "stream"),
     "stop-number": Bad(COMPLETIONS, good(stop=5), 400, None, "stop"),
     "five-stops": Bad(COMPLETIONS, good(stop=["a", "b", "c", "d", "e"]), 400, None, "stop"),
-    "n-2": Bad(CHAT, chat(n=2), 400, UNSUPPORTED, "n"),
+    "n-past-the-batch": Bad(CHAT, chat(n=MAX_BATCH_SIZE + 1), 400, None, "n"),
+    "n-zero": Bad(COMPLETIONS, good(n=0), 400, None, "n"),
     "best-of": Bad(COMPLETIONS, good(best_of=3), 400, UNSUPPORTED, "best_of"),
     "echo": Bad(COMPLETIONS, good(echo=True), 400, UNSUPPORTED, "echo"),
     "logprobs-too-many": Bad(COMPLETIONS, good(logprobs=21), 400, None, "logprobs"),
     "logprobs-negative": Bad(COMPLETIONS, good(logprobs=-1), 400, None, "logprobs"),
     "chat-top-logprobs-too-many": Bad(CHAT, chat(logprobs=True, top_logprobs=21), 400, None, "top_logprobs"),
     "chat-top-logprobs-without-logprobs": Bad(CHAT, chat(top_logprobs=2), 400, None, None),
-    "presence-penalty": Bad(COMPLETIONS, good(presence_penalty=0.5), 400, UNSUPPORTED, "presence_penalty"),
-    "frequency-penalty": Bad(CHAT, chat(frequency_penalty=-1), 400, UNSUPPORTED, "frequency_penalty"),
+    "presence-penalty-high": Bad(COMPLETIONS, good(presence_penalty=2.5), 400, None, "presence_penalty"),
+    "frequency-penalty-string": Bad(CHAT, chat(frequency_penalty="-1"), 400, None, "frequency_penalty"),
+    "repetition-penalty-zero": Bad(COMPLETIONS, good(repetition_penalty=0), 400, None, "repetition_penalty"),
+    "logit-bias-key": Bad(COMPLETIONS, good(logit_bias={"hello": 1}), 400, None, "logit_bias"),
+    "logit-bias-value": Bad(CHAT, chat(logit_bias={"5": 150}), 400, None, "logit_bias"),
+    "logit-bias-duplicate": Bad(CHAT, chat(logit_bias={"5": 1, "05": 2}), 400, None, "logit_bias"),
+    "logit-bias-outside-vocabulary": Bad(COMPLETIONS, good(logit_bias={str(10**9): 1}), 400, None, "logit_bias"),
     "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),
     "schema-invalid": Bad(
         CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}),

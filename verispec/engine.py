@@ -18,7 +18,7 @@ from verispec.drafters.base import Drafter, Proposal
 from verispec.grammar import Grammar, cut_to_grammar, grammar_for
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
-from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams, logits_to_probs
+from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, logits_to_probs
 from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
@@ -129,7 +129,10 @@ class SpeculativeEngine:
             k_wanted = controller.choose_k(source=self._next_source(tokens)) if adaptive else k_longest
             k_step = min(k_wanted, remaining - 1)  # drafts past max_new_tokens would be thrown away
             if k_step > 0:
-                proposal = self.drafter.propose(tokens, k_step, params, generator)
+                if grammar is not None and getattr(self.drafter, "drafts_under_grammar", False):
+                    proposal = self.drafter.propose(tokens, k_step, params, generator, grammar)  # masked q
+                else:
+                    proposal = self.drafter.propose(tokens, k_step, params, generator)
             else:
                 proposal = Proposal(torch.empty(1, 0, dtype=torch.long), None)
             proposal = cut_to_grammar(proposal, grammar)  # drafts the grammar forbids are not verified
@@ -141,8 +144,10 @@ class SpeculativeEngine:
             # 2. Verify: one target forward over the pending token and the drafts.
             inputs = torch.cat([torch.tensor([[tokens[-1]]]), proposal.token_ids], dim=1)  # (1, 1 + k)
             logits = target.forward(inputs, cache)  # (1, 1 + k, V)
-            allowed = grammar.masks_along(proposal.token_ids[0].tolist())[None] if grammar else None  # (1, 1 + k, V)
-            p = logits_to_probs(logits, params, allowed)  # (1, 1 + k, V)
+            drafts = proposal.token_ids[0].tolist()
+            allowed = grammar.masks_along(drafts)[None] if grammar else None  # (1, 1 + k, V)
+            history = TokenHistory(tokens + drafts, len(prompt_ids)) if params.penalized else None
+            p = logits_to_probs(logits, params, allowed, history)  # (1, 1 + k, V)
 
             # 3. Accept/reject: accepted drafts, then one recovered or bonus token.
             result = verify(proposal.token_ids, proposal.probs, p, generator)

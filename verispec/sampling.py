@@ -5,19 +5,26 @@ Every path calls it with the same `SamplingParams`: the drafter (q), the target 
 bonus token. Speculative decoding is lossless only with respect to the distribution the target
 path actually samples from, so the draft and target must be shaped by the same code.
 
-Filters run in a fixed order: a grammar's mask of allowed tokens (structured output), temperature,
-top-k, top-p, min-p, then one softmax. Each filter
-sees the distribution left by the ones before it. Greedy decoding (temperature 0) skips them all
-and returns a one-hot row at the argmax. Verification then compares one-hot targets instead of
-running a ratio test on a softmax.
+Transforms run in a fixed order: penalties on the tokens seen so far (repetition, then frequency and
+presence), logit_bias, a grammar's mask of allowed tokens (structured output); then temperature,
+top-k, top-p, min-p and one softmax. Each sees the scores left by the ones before it. Greedy decoding
+(temperature 0) takes the argmax of the transformed scores and returns a one-hot row there.
+Verification then compares one-hot targets instead of running a ratio test on a softmax.
+
+Penalties depend on the tokens before each position, so a verify pass over drafts d_1..d_k scores
+row t as if d_1..d_t had been generated (`TokenHistory`): the same scores plain decoding would see
+after those tokens, which keeps speculation lossless under them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, 100 makes it all but certain
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,13 @@ class SamplingParams:
     top_k: int = 0  # keep the k highest-scoring tokens; 0 = off
     top_p: float = 1.0  # keep the smallest head of tokens whose probability mass reaches top_p; 1 = off
     min_p: float = 0.0  # drop tokens with probability < min_p * (largest probability); 0 = off
+    # OpenAI's penalties, on the generated tokens: score -= frequency * count + presence * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Ctrl / Hugging Face / vLLM: a token already in the prompt or the output has its score divided by it
+    # (multiplied when negative); 1 = off, > 1 discourages repeats.
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its score), OpenAI's logit_bias
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -36,23 +50,62 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether scores depend on the tokens seen so far (logits_to_probs then needs a TokenHistory)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def transforms_scores(self) -> bool:
+        """Whether anything changes the model's scores before sampling (the argmax may move)."""
+        return self.penalized or bool(self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens penalties look at, for a (..., T, V) block of scores.
+
+    tokens: the prompt, the generated tokens, then the T - 1 drafts the block verifies (none for a single
+    row). Row t scores the token after tokens[: len(tokens) - T + 1 + t], so row 0 sees everything committed
+    and row t also the drafts before it. prompt_length: where the generated tokens start.
+    """
+
+    tokens: Sequence[int]
+    prompt_length: int
+
 
 def logits_to_probs(
-    logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    allowed: torch.Tensor | None = None,
+    history: TokenHistory | None = None,
 ) -> torch.Tensor:
     """Turn raw scores (..., V) into the float32 distribution (..., V) that decoding samples from.
 
-    allowed: (..., V) bool, a grammar's mask (each row allows at least one token); forbidden tokens get
-    probability exactly 0 before anything else runs. Greedy gives a one-hot row at torch.argmax (ties
-    go to the lowest index). Otherwise the filters run in the order temperature, top-k, top-p, min-p,
-    and a softmax follows. A token a filter removes gets probability exactly 0. The top token always
-    survives, so no row is empty.
+    history: the tokens before each row, needed when params are penalized (then the leading dims hold
+    one sequence's T rows). Penalties and logit_bias change the scores first. allowed: (..., V) bool, a
+    grammar's mask (each row allows at least one token); forbidden tokens then get probability exactly 0.
+    Greedy gives a one-hot row at torch.argmax (ties go to the lowest index). Otherwise the filters run
+    in the order temperature, top-k, top-p, min-p, and a softmax follows. A token a filter removes gets
+    probability exactly 0. The top token always survives, so no row is empty.
     """
+    if params.transforms_scores:
+        logits = transform_scores(logits, params, history)  # (..., V) float32
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))  # (..., V)
     if params.greedy:
@@ -62,6 +115,39 @@ def logits_to_probs(
     scores = _top_p(scores, params.top_p)  # (..., V)
     scores = _min_p(scores, params.min_p)  # (..., V)
     return torch.softmax(scores, dim=-1)  # (..., V)
+
+
+def transform_scores(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> torch.Tensor:
+    """(..., V) scores after the penalties and logit_bias of params, in float32 (see TokenHistory)."""
+    shape, width = logits.shape, logits.shape[-1]
+    scores = logits.to(torch.float32, copy=True).reshape(-1, width)  # (T, V), the caller's logits untouched
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties depend on the tokens seen so far: pass a TokenHistory")
+        rows = scores.shape[0]
+        committed = len(history.tokens) - rows + 1  # row 0 sees tokens[:committed]
+        if committed < history.prompt_length:
+            raise ValueError(f"{rows} rows of scores need at least {rows - 1} drafts after the prompt")
+        # Ids beyond width (a draft model's head may be narrower than the target's vocabulary) are skipped.
+        generated = torch.tensor(history.tokens[history.prompt_length : committed], dtype=torch.long)
+        counts = torch.bincount(generated[generated < width], minlength=width).float().expand(rows, width).clone()
+        for row, token in enumerate(history.tokens[committed:], start=1):  # drafts count from the row after them
+            if token < width:
+                counts[row:, token] += 1  # (T, V) generated-token counts before each row
+        if params.repetition_penalty != 1.0:
+            prompt = torch.tensor(history.tokens[: history.prompt_length], dtype=torch.long)
+            in_prompt = torch.zeros(width, dtype=torch.bool)
+            in_prompt[prompt[prompt < width]] = True
+            repeated = (counts > 0) | in_prompt  # (T, V)
+            penalty = params.repetition_penalty
+            scores = torch.where(repeated, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long)  # (B,)
+        bias = torch.tensor([value for _, value in params.logit_bias], dtype=torch.float32)  # (B,)
+        inside = ids < width
+        scores.index_add_(1, ids[inside], bias[inside].expand(scores.shape[0], -1))
+    return scores.reshape(shape)  # (..., V)
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each position

@@ -31,7 +31,10 @@ class Drafter(Protocol):
     comparing with what it saw last time, so no separate rollback call is needed.
 
     Optional, for a composite drafter's `--k auto`: a `source` name (the one its proposals carry) and
-    `can_propose(tokens) -> bool` (whether propose would find anything: lookup drafters).
+    `can_propose(tokens) -> bool` (whether propose would find anything: lookup drafters). Optional, for
+    structured output: `drafts_under_grammar = True` and a fifth argument of propose, the request's
+    `Grammar`, which masks q (its state must come back as it was); other drafters' drafts are cut where
+    the grammar forbids them.
     """
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:

@@ -11,10 +11,15 @@ for the drafter that will propose: `next_source` says which, before anything is 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from verispec.drafters.base import Drafter, Proposal
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.grammar import Grammar
 
 
 class CompositeDrafter:
@@ -40,12 +45,18 @@ class CompositeDrafter:
                 return getattr(drafter, "source", None)
         return getattr(self.drafters[-1], "source", None)
 
+    drafts_under_grammar = True  # handed on to the drafters that take one
+
     def propose(
-        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+        grammar: "Grammar | None" = None,
     ) -> Proposal:
         """The first drafter's proposal that is not empty (the last drafter's otherwise)."""
         for drafter in self.drafters:
-            proposal = drafter.propose(tokens, k, params, generator)
+            constrained = grammar is not None and getattr(drafter, "drafts_under_grammar", False)
+            proposal = drafter.propose(tokens, k, params, generator, grammar) if constrained else drafter.propose(
+                tokens, k, params, generator
+            )
             if proposal.num_tokens > 0:
                 return proposal
         return proposal

@@ -9,17 +9,23 @@ target's, and only change how often drafts are accepted.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.drafters.base import LONG_TAIL, Proposal
+from verispec.grammar import fit_mask
 from verispec.models.kv_cache import KVCache
 from verispec.models.transformer import Transformer
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, TokenHistory, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from verispec.grammar import Grammar
 
 
 class DraftModelDrafter:
     source = "draft-model"
+    drafts_under_grammar = True  # propose takes a grammar (see Drafter)
 
     def __init__(self, model: Transformer, target_vocab_size: int, lazy_prefill: bool = False) -> None:
         self.model = model
@@ -29,12 +35,13 @@ class DraftModelDrafter:
         self.cache: KVCache | None = None
         self.cached_tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self.known_committed = 0  # length of the committed sequence at the previous proposal
+        self.prompt_length = 0  # where generated tokens start (penalties count them)
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
         self.capacity = max_length + 1
         self.cache = self.model.new_cache(1, self.capacity)
         self.cached_tokens = []
-        self.known_committed = len(prompt_ids)
+        self.known_committed = self.prompt_length = len(prompt_ids)
         if len(prompt_ids) > 1 and not self.lazy_prefill:
             self._feed(prompt_ids[:-1], last_only=True)
 
@@ -71,6 +78,16 @@ class DraftModelDrafter:
             self.cache.truncate(common)
             del self.cached_tokens[common:]
 
+    def _scores_over_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V',) draft scores -> (V'') indexed by target ids: unchanged unless the head covers a subset
+        (then -inf elsewhere, over the target's vocabulary), so penalties find each token where it is."""
+        ids = self.model.output_token_ids
+        if ids is None:
+            return logits
+        full = torch.full((self.target_vocab_size,), float("-inf"), dtype=logits.dtype)
+        full[ids] = logits
+        return full
+
     def _to_target_vocab(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """(V',) probabilities over the draft's output ids -> (V,) over the target vocabulary."""
         ids = self.model.output_token_ids
@@ -83,8 +100,11 @@ class DraftModelDrafter:
         return full
 
     def propose(
-        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+        grammar: "Grammar | None" = None,
     ) -> Proposal:
+        """grammar (structured output): q is masked by it at every draft position, and drafting stops once the
+        document is complete; its state walks the drafts and comes back."""
         if k == 0:
             return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
         self._sync(tokens)
@@ -96,19 +116,27 @@ class DraftModelDrafter:
         drafted: list[int] = []
         draft_probs: list[torch.Tensor] = []
         for i in range(k):
-            if params.greedy:
+            if grammar is not None and grammar.finished:
+                break
+            if params.greedy and not params.transforms_scores and grammar is None:
                 local = int(torch.argmax(logits))
-            else:
-                q = self._to_target_vocab(logits_to_probs(logits, params))  # (V,)
-                draft_probs.append(q)
-                local = None
-            if local is not None:
                 token = local if self.model.output_token_ids is None else int(self.model.output_token_ids[local])
-            else:
-                token = int(sample(draft_probs[-1][None], generator)[0])
+            else:  # penalties, logit_bias and a grammar shape q as they shape p: over target ids
+                scores = self._scores_over_target_ids(logits)  # (V'',)
+                history = TokenHistory(tokens + drafted, self.prompt_length) if params.penalized else None
+                allowed = fit_mask(grammar.allowed(), scores.shape[-1]) if grammar is not None else None  # (V'',)
+                q = logits_to_probs(scores, params, allowed, history)
+                q = q if q.shape[-1] == self.target_vocab_size else self._to_target_vocab(q)  # (V,)
+                if not params.greedy:
+                    draft_probs.append(q)
+                token = int(sample(q[None], generator)[0])
             drafted.append(token)
+            if grammar is not None:
+                grammar.advance([token])
             if i < k - 1:
                 logits = self._feed([token])
                 forwards += 1
+        if grammar is not None:
+            grammar.rollback(len(drafted))  # it advanced once per drafted token
         probs = torch.stack(draft_probs)[None] if draft_probs else None  # (1, k, V)
-        return Proposal(torch.tensor([drafted]), probs, forwards, self.source, catch_up_seconds)
+        return Proposal(torch.tensor([drafted], dtype=torch.long), probs, forwards, self.source, catch_up_seconds)

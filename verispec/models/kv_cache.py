@@ -115,7 +115,12 @@ class KVCache:
 
     def move_row(self, source: int, destination: int) -> None:
         """Copy row `source`'s committed prefix into row `destination` (to keep active rows contiguous)."""
-        length = int(self.lengths[source])
+        self.copy_prefix(source, destination, int(self.lengths[source]))
+
+    def copy_prefix(self, source: int, destination: int, length: int) -> None:
+        """Row `destination` becomes the first `length` committed tokens of row `source` (a shared prompt)."""
+        if length > int(self.lengths[source]):
+            raise ValueError(f"row {source} holds {int(self.lengths[source])} committed tokens, not {length}")
         for k, v in zip(self.keys, self.values):
             k[destination, :, :length] = k[source, :, :length]
             v[destination, :, :length] = v[source, :, :length]

@@ -74,32 +74,36 @@ class _Shape:
     id_prefix: str
     object: str
     chunk_object: str
-    choice: Callable[[str, str | None, dict | None], dict]  # (text, finish_reason, logprobs) -> a response's choice
-    delta: Callable[[str | None, str | None, dict | None], dict]  # (text or None, finish_reason, logprobs) -> a chunk's
-    opening_delta: dict | None  # the first chunk's choice, if the endpoint has one
+    choice: Callable[[int, str, str | None, dict | None], dict]  # (index, text, finish_reason, logprobs) -> choice
+    delta: Callable[[int, str | None, str | None, dict | None], dict]  # (index, text or None, finish, logprobs)
+    opening_delta: Callable[[int], dict] | None  # index -> the first chunk's choice, if the endpoint has one
     logprobs: Callable[[list[TokenLogprob], Callable[[int], str], int], dict]  # (tokens, token text, offset) -> dict
 
 
 COMPLETION = _Shape(
     "cmpl", "text_completion", "text_completion",
-    choice=lambda text, finish, logprobs=None: {
-        "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+    choice=lambda index, text, finish, logprobs=None: {
+        "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
     },
-    delta=lambda text, finish, logprobs=None: {
-        "index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
+    delta=lambda index, text, finish, logprobs=None: {
+        "index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
     },
     opening_delta=None,
     logprobs=completion_logprobs,
 )
 CHAT = _Shape(
     "chatcmpl", "chat.completion", "chat.completion.chunk",
-    choice=lambda text, finish, logprobs=None: {
-        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish,
+    choice=lambda index, text, finish, logprobs=None: {
+        "index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        "finish_reason": finish,
     },
-    delta=lambda text, finish, logprobs=None: {
-        "index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs, "finish_reason": finish,
+    delta=lambda index, text, finish, logprobs=None: {
+        "index": index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+        "finish_reason": finish,
     },
-    opening_delta={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    opening_delta=lambda index: {
+        "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+    },
     logprobs=chat_logprobs,
 )
 
@@ -213,9 +217,18 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(400, f"{prompt_param}: the prompt is empty after tokenization", prompt_param)
         context = scheduler.limits.max_context
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), context, prompt_param)
+        batch = scheduler.limits.max_batch_size
+        if body.choices > batch:
+            message = f"n={body.choices} exceeds this server's batch of {batch} sequences (--max-batch-size)"
+            raise APIError(400, message, "n")
+        vocab = target.model.vocab_size
+        too_large = [key for key in body.logit_bias or {} if int(key) >= vocab]
+        if too_large:
+            message = f"logit_bias: token id {too_large[0]} is outside the vocabulary (0..{vocab - 1})"
+            raise APIError(400, message, "logit_bias")
         try:
-            config = body.generation_config(max_tokens)
-            handle = scheduler.submit(prompt_ids, config)
+            configs = body.generation_configs(max_tokens)
+            handles = scheduler.submit_choices(prompt_ids, configs)
         except QueueFullError as error:
             raise APIError(
                 429, str(error), code="rate_limit_exceeded", type="rate_limit_error", headers={"Retry-After": "1"}
@@ -227,37 +240,40 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         header = {"id": response_id, "created": int(time.time()), "model": model_name}
         if body.stream:
-            chunks = sse_chunks(request, handle, header, shape, body.include_usage)
+            chunks = sse_chunks(request, handles, header, shape, body.include_usage)
             return StreamingResponse(
                 chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
-        return await whole_response(request, handle, header, shape, config.logprobs is not None)
+        return await whole_response(request, handles, header, shape, configs[0].logprobs is not None)
 
     def token_text(token_id: int) -> str:
         return target.decode([token_id])
 
     async def whole_response(
-        request: Request, handle: RequestHandle, header: dict, shape: _Shape, logprobs: bool
+        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, logprobs: bool
     ) -> JSONResponse:
-        parts: list[str] = []
-        entries: list[TokenLogprob] = []
-        final: SequenceEvent | None = None
-        async with cancel_on_disconnect(request, handle):
-            async for event in handle.events():
-                parts.append(event.text)
-                entries.extend(event.logprobs or [])
-                final = event
-        if final.finish_reason not in ("stop", "length"):
-            raise unfinished(final)
-        choice_logprobs = shape.logprobs(entries, token_text, 0) if logprobs else None
+        parts: list[list[str]] = [[] for _ in handles]
+        entries: list[list[TokenLogprob]] = [[] for _ in handles]
+        finals: list[SequenceEvent | None] = [None] * len(handles)
+        async with cancel_on_disconnect(request, handles):
+            async for index, event in merged_events(handles):
+                parts[index].append(event.text)
+                entries[index].extend(event.logprobs or [])
+                finals[index] = event
+                if event.finish_reason not in (None, "stop", "length"):
+                    raise unfinished(event)  # leaving the block cancels the other choices
+        choices = [
+            shape.choice(index, "".join(parts[index]), final.finish_reason,
+                         shape.logprobs(entries[index], token_text, 0) if logprobs else None)
+            for index, final in enumerate(finals)
+        ]
         return JSONResponse({
-            **header, "object": shape.object,
-            "choices": [shape.choice("".join(parts), final.finish_reason, choice_logprobs)],
-            "usage": usage(final), "speculative": final.stats.to_dict(),
+            **header, "object": shape.object, "choices": choices, "usage": usage(finals),
+            **speculative_stats(finals),
         })
 
     async def sse_chunks(
-        request: Request, handle: RequestHandle, header: dict, shape: _Shape, include_usage: bool
+        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, include_usage: bool
     ) -> AsyncIterator[str]:
         def chunk(choices: list[dict], **extra) -> str:
             payload = {**header, "object": shape.chunk_object, "choices": choices}
@@ -266,11 +282,13 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             payload.update(extra)
             return f"data: {json_dumps(payload)}\n\n"
 
-        offset = 0  # characters of completion text the logprobs sent so far cover
-        async with cancel_on_disconnect(request, handle):
+        offsets = [0] * len(handles)  # per choice: characters of completion text its logprobs sent so far cover
+        finals: list[SequenceEvent | None] = [None] * len(handles)
+        async with cancel_on_disconnect(request, handles):
             if shape.opening_delta is not None:
-                yield chunk([shape.opening_delta])
-            async for event in handle.events():
+                for index in range(len(handles)):
+                    yield chunk([shape.opening_delta(index)])
+            async for index, event in merged_events(handles):
                 if event.finish_reason not in (None, "stop", "length"):
                     error = unfinished(event)
                     metrics.error(error.type, error.code)
@@ -279,13 +297,14 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                 if event.text or event.logprobs:
                     step_logprobs = None
                     if event.logprobs:  # the step's tokens, whether or not their text is released yet
-                        step_logprobs = shape.logprobs(event.logprobs, token_text, offset)
-                        offset += sum(len(token_text(e.token_id)) for e in event.logprobs)
-                    yield chunk([shape.delta(event.text, None, step_logprobs)])
+                        step_logprobs = shape.logprobs(event.logprobs, token_text, offsets[index])
+                        offsets[index] += sum(len(token_text(e.token_id)) for e in event.logprobs)
+                    yield chunk([shape.delta(index, event.text, None, step_logprobs)])
                 if event.finish_reason is not None:
-                    yield chunk([shape.delta(None, event.finish_reason)])
-                    if include_usage:
-                        yield chunk([], usage=usage(event), speculative=event.stats.to_dict())
+                    finals[index] = event
+                    yield chunk([shape.delta(index, None, event.finish_reason)])
+                    if include_usage and all(final is not None for final in finals):
+                        yield chunk([], usage=usage(finals), **speculative_stats(finals))
             yield "data: [DONE]\n\n"
 
     return app
@@ -335,9 +354,36 @@ class _CountRequests:
             self.metrics.http_request(getattr(route, "path", "unmatched"), status)
 
 
+async def merged_events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, SequenceEvent]]:
+    """(choice index, event) from every handle as they arrive, until each has sent its last event."""
+    if len(handles) == 1:
+        async for event in handles[0].events():
+            yield 0, event
+        return
+    arrivals: asyncio.Queue[tuple[int, SequenceEvent | None]] = asyncio.Queue()
+
+    async def forward(index: int, handle: RequestHandle) -> None:
+        async for event in handle.events():
+            arrivals.put_nowait((index, event))
+        arrivals.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(forward(index, handle)) for index, handle in enumerate(handles)]
+    try:
+        running = len(handles)
+        while running:
+            index, event = await arrivals.get()
+            if event is None:
+                running -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> AsyncIterator[None]:
-    """Within the block, a client disconnect cancels the request; leaving the block cancels it too.
+async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> AsyncIterator[None]:
+    """Within the block, a client disconnect cancels the request's choices; leaving the block cancels them too.
 
     Leaving covers a stream closed or cancelled by the server (the client went away while a chunk
     was being sent); the watcher covers a client that leaves while no chunk is due (queued, or a
@@ -347,14 +393,16 @@ async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> Async
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        handle.cancel()
+        for handle in handles:
+            handle.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         yield
     finally:
         watcher.cancel()
-        handle.cancel()
+        for handle in handles:
+            handle.cancel()
 
 
 def unfinished(event: SequenceEvent) -> APIError:
@@ -363,13 +411,23 @@ def unfinished(event: SequenceEvent) -> APIError:
     return APIError(500, event.error or "generation failed", type="server_error", code="generation_failed")
 
 
-def usage(event: SequenceEvent) -> dict:
-    stats = event.stats
+def usage(finals: list[SequenceEvent]) -> dict:
+    """OpenAI's usage of a request's choices: the prompt counted once, every choice's completion tokens."""
+    first = finals[0].stats
+    completion = sum(event.stats.completion_tokens for event in finals)
     return {
-        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+        "prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
     }
+
+
+def speculative_stats(finals: list[SequenceEvent]) -> dict:
+    """The response's "speculative" statistics (the first choice's), and each choice's when there are several."""
+    stats = {"speculative": finals[0].stats.to_dict()}
+    if len(finals) > 1:
+        stats["speculative_choices"] = [event.stats.to_dict() for event in finals]
+    return stats
 
 
 def json_dumps(payload: dict) -> str:

@@ -19,7 +19,7 @@ import torch
 from verispec.drafters.base import LONG_TAIL, Proposal
 from verispec.grammar import Grammar, fit_mask
 from verispec.models.transformer import Transformer
-from verispec.sampling import SamplingParams, logits_to_probs, sample
+from verispec.sampling import SamplingParams, TokenHistory, logits_to_probs, sample
 
 PAD_TOKEN = 0  # fills ragged inputs on the right; its keys/values land in scratch slots never committed
 # A row further behind than LONG_TAIL catches up alone, so the others are not padded to its length.
@@ -44,6 +44,13 @@ class BatchedDraftModel:
         self.cache.lengths[row] = 0
         self.cached_tokens[row] = []
         self.known_committed[row] = 0
+
+    def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
+        """Start a new sequence in `destination` with what row `source` holds of the same prompt (n choices)."""
+        length = min(len(self.cached_tokens[source]), prompt_length - 1)
+        self.cache.copy_prefix(source, destination, length)
+        self.cached_tokens[destination] = self.cached_tokens[source][:length]
+        self.known_committed[destination] = length
 
     def behind(self, row: int, tokens: list[int]) -> int:
         """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
@@ -117,6 +124,7 @@ class BatchedDraftModel:
         drafting: list[bool] | None = None,
         catch_up_limit: int | None = None,
         grammars: list[Grammar | None] | None = None,
+        prompt_lengths: list[int] | None = None,
     ) -> list[Proposal]:
         """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
 
@@ -124,7 +132,8 @@ class BatchedDraftModel:
         behind than LONG_TAIL catches up alone first, by at most catch_up_limit tokens a call (None:
         all at once); until it is caught up it proposes nothing. A row with a grammar drafts from q
         masked by it at every position (its state walks the drafts and comes back), and stops drafting
-        once the document is complete.
+        once the document is complete. prompt_lengths: where each row's generated tokens start, for
+        penalties (which shape q as they shape p).
         """
         grammars = grammars if grammars is not None else [None] * len(tokens)
         n = len(tokens)
@@ -154,10 +163,15 @@ class BatchedDraftModel:
                     lengths[b] = i
                     continue
                 allowed = fit_mask(grammar.allowed(), logits.shape[-1]) if grammar is not None else None  # (V',)
-                if params[b].greedy and allowed is None:
+                if params[b].greedy and allowed is None and not params[b].transforms_scores:
                     drafted[b, i] = int(torch.argmax(logits[b, : self.target_vocab_size]))
                 else:
-                    q = self._to_target_vocab(logits_to_probs(logits[b], params[b], allowed))  # (V,)
+                    history = None
+                    if params[b].penalized:
+                        if prompt_lengths is None:
+                            raise ValueError("penalized sampling needs each row's prompt length")
+                        history = TokenHistory(tokens[b] + drafted[b, :i].tolist(), prompt_lengths[b])
+                    q = self._to_target_vocab(logits_to_probs(logits[b], params[b], allowed, history))  # (V,)
                     if not params[b].greedy:
                         probs[b].append(q)
                     drafted[b, i] = int(sample(q[None], generators[b])[0])

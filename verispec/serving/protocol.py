@@ -2,14 +2,16 @@
 
 Types are strict (`"temperature": "0.5"` is an error, not 0.5): a client that sends the wrong
 type has a bug worth hearing about. OpenAI fields that would change the output but are not
-implemented (n > 1, penalties, logit_bias, echo, tools, ...) are refused with a 400;
+implemented (echo, suffix, tools, ...) are refused with a 400;
 response_format json_object / json_schema constrain the output with a grammar (verispec.grammar);
+presence / frequency penalties and logit_bias shape p and q alike (verispec.sampling);
 fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
-Extensions beyond OpenAI, as in vLLM: top_k, min_p, ignore_eos.
+Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from typing import Annotated, Any, Literal
@@ -21,10 +23,11 @@ from pydantic_core import PydanticCustomError
 
 from verispec.engine import GenerationConfig
 from verispec.grammar import ANY_JSON_OBJECT
-from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from verispec.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when the request gives none; lowered to what the context leaves
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # ints are accepted, strings and bools not
 Integer = Annotated[int, Strict()]
@@ -58,9 +61,6 @@ def _unsupported(detail: str) -> PydanticCustomError:
 # Fields that would change the output in a way this server does not implement, whenever they are set
 # (non-zero, non-empty, true). The message names what is not supported.
 _REFUSED_WHEN_SET = {
-    "presence_penalty": "a non-zero presence_penalty",
-    "frequency_penalty": "a non-zero frequency_penalty",
-    "logit_bias": "logit_bias",
     "echo": "echo",
     "suffix": "suffix (insertion)",
     "tools": "tools (tool calling)",
@@ -179,13 +179,14 @@ class _GenerationRequest(BaseModel):
     min_p: Number | None = Field(None, ge=0, le=1)  # extension; 0 = off
     seed: Integer | None = Field(None, ge=-(2**63), le=2**64 - 1)  # None: a fresh random seed
     stop: list[Text] = []  # a string or a list of strings in the request
-    n: Integer | None = None
+    n: Integer | None = Field(None, ge=1)  # choices; at most the server's batch (one prefill shared by all)
     stream: Flag | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: Flag | None = None  # extension: generate max_tokens tokens even past end-of-sequence
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=10)  # extension (vLLM); 1 = off
+    logit_bias: dict[str, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # structured output: json_object or json_schema
     user: Text | None = None
 
@@ -201,16 +202,23 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise _unsupported(f"n={value} (one choice per request)")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased, got {len(value)}")
+        ids = set()
+        for key, bias in value.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if int(key) in ids:
+                raise ValueError(f"token id {int(key)} appears twice")
+            ids.add(int(key))
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
-
-    _refuse_generation_fields = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(
-        _refuse_when_set
-    )
 
     @model_validator(mode="after")
     def _structured_output_ends(self) -> "_GenerationRequest":
@@ -232,23 +240,38 @@ class _GenerationRequest(BaseModel):
             top_k=self.top_k or 0,
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple(sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items())),
         )
 
     def requested_logprobs(self) -> int | None:
         """How many alternatives to report with each token's log-probability; None: no logprobs."""
         return None
 
-    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        """The engine settings; k is the server's (the scheduler ignores a per-request k)."""
-        return GenerationConfig(
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
+        """The engine settings of each choice; k is the server's (the scheduler ignores a per-request k).
+
+        Choice i samples with seed + i (a fresh random seed when the request gives none), so a seeded
+        request repeats, choice by choice.
+        """
+        seed = secrets.randbits(63) if self.seed is None else self.seed
+        config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=self.sampling(),
-            seed=secrets.randbits(63) if self.seed is None else self.seed,
+            seed=seed,
             stop_strings=tuple(self.stop),
             eos_token_ids=() if self.ignore_eos else None,
             logprobs=self.requested_logprobs(),
             json_schema=self.response_format.required_schema() if self.response_format is not None else None,
         )
+        seeds = [seed + i if seed + i < 2**64 else seed + i - 2**64 for i in range(self.choices)]
+        return [dataclasses.replace(config, seed=choice_seed) for choice_seed in seeds]
 
 
 class CompletionRequest(_GenerationRequest):

@@ -39,7 +39,7 @@ from verispec.grammar import Grammar, SchemaError, compiler_for, cut_to_grammar,
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings, moving_average
-from verispec.sampling import TokenLogprob, logits_to_probs, token_logprobs
+from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
 from verispec.stopping import TextAssembler
@@ -166,6 +166,7 @@ class _Sequence:
     stats: SequenceStats = field(default_factory=SequenceStats)
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
+    prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
 
     @property
     def generated(self) -> int:
@@ -270,10 +271,34 @@ class Scheduler:
         the grammar engine cannot compile: SchemaError), QueueFullError when max_waiting requests already
         wait beyond the free batch rows, and RuntimeError once the scheduler was stopped or its loop died.
         """
+        return self.submit_choices(prompt_ids, [config])[0]
+
+    def submit_choices(self, prompt_ids: list[int], configs: list[GenerationConfig]) -> list[RequestHandle]:
+        """Queue n sequences of one prompt (OpenAI's n), all or none; one handle each, in order.
+
+        The prompt is prefilled once: the other choices copy its keys and values (target and draft) when
+        they get a row, while the first one still decodes (else the prefix cache, else a prefill).
+        Errors as for submit; a request with more choices than max_batch_size is a ValueError.
+        """
+        if len(configs) > self.limits.max_batch_size:
+            raise ValueError(f"{len(configs)} choices exceed the batch of {self.limits.max_batch_size} sequences")
         if self._stopping.is_set() or self.failure is not None:
             raise RuntimeError("the scheduler is not running")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
+        sequences = [self._new_sequence(prompt_ids, config) for config in configs]
+        for choice in sequences[1:]:
+            choice.prompt_source = sequences[0]
+        with self._lock:
+            free_rows = self.limits.max_batch_size - self.num_active
+            if self.num_waiting + len(sequences) > self.limits.max_waiting + max(free_rows, 0):
+                raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
+            self._waiting.extend(sequences)
+        self._report_queue()
+        self._wakeup.set()
+        return [sequence.handle for sequence in sequences]
+
+    def _new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> _Sequence:
         total = len(prompt_ids) + config.max_new_tokens
         if total > self.limits.max_context:
             raise ValueError(
@@ -286,9 +311,8 @@ class Scheduler:
             loop = None
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
         grammar = grammar_for(self.target, config.json_schema, eos) if config.json_schema is not None else None
-        handle = RequestHandle(loop)
-        sequence = _Sequence(
-            handle=handle,
+        return _Sequence(
+            handle=RequestHandle(loop),
             prompt_ids=list(prompt_ids),
             config=config,
             tokens=list(prompt_ids),
@@ -299,14 +323,6 @@ class Scheduler:
             grammar=grammar,
             stats=SequenceStats(prompt_tokens=len(prompt_ids)),
         )
-        with self._lock:
-            free_rows = self.limits.max_batch_size - self.num_active
-            if self.num_waiting >= self.limits.max_waiting + max(free_rows, 0):
-                raise QueueFullError(f"{self.limits.max_waiting} requests are already waiting; retry later")
-            self._waiting.append(sequence)
-        self._report_queue()
-        self._wakeup.set()
-        return handle
 
     # -- the model thread -------------------------------------------------------------------------
 
@@ -413,7 +429,12 @@ class Scheduler:
         """Give the sequence row len(active), holding the longest prefix of its prompt the prefix cache has."""
         row = len(self.active)
         self.cache.lengths[row] = 0
-        if self.prefix_cache is not None:
+        source = self._row_of(sequence.prompt_source)
+        if source is not None:  # another choice of this request decodes: its prompt is in the cache
+            sequence.prefilled = len(sequence.prompt_ids) - 1
+            self.cache.copy_prefix(source, row, sequence.prefilled)
+            sequence.stats.cached_prompt_tokens = sequence.prefilled
+        elif self.prefix_cache is not None:
             view = self.cache.rows(row, row + 1)
             sequence.prefilled = self.prefix_cache.load(sequence.prompt_ids[:-1], view)
             sequence.stats.cached_prompt_tokens = sequence.prefilled
@@ -428,13 +449,22 @@ class Scheduler:
                 reused = sequence.stats.cached_prompt_tokens
                 self.metrics.prefix_lookup(reused, len(prompt) - 1 - reused, self.prefix_cache.nbytes)
         if self.draft is not None:
-            self.draft.add(row)  # filled when the sequence first drafts
+            source = self._row_of(sequence.prompt_source)
+            if source is not None:
+                self.draft.share_prompt(source, row, len(prompt))
+            else:
+                self.draft.add(row)  # filled when the sequence first drafts
+        sequence.prompt_source = None  # copied or not, it is needed no more
         if self.drafter in ("prompt-lookup", "suffix-index", "composite"):  # lookup state is per sequence
             sequence.drafter = (
                 composite_lookup() if self.drafter == "composite" else make_drafter(self.drafter, self.target)
             )
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
         self.active.append(sequence)
+
+    def _row_of(self, sequence: _Sequence | None) -> int | None:
+        """The cache row of an active sequence (by identity); None when it is not decoding."""
+        return next((row for row, active in enumerate(self.active) if active is sequence), None)
 
     def _sources(self) -> list[str]:
         """Which drafter proposes for each active row this step (composite: lookup where the context recurs)."""
@@ -477,7 +507,7 @@ class Scheduler:
             batched = self.draft.propose(
                 [s.tokens for s in active], k_step,
                 [s.config.sampling for s in active], [s.generator for s in active], drafting,
-                self._catch_up_limit(), [s.grammar for s in active],
+                self._catch_up_limit(), [s.grammar for s in active], [len(s.prompt_ids) for s in active],
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
@@ -556,7 +586,11 @@ class Scheduler:
             allowed = None  # (1, 1 + k_b, V) under a grammar: its mask at every verified position
             if sequence.grammar is not None:
                 allowed = sequence.grammar.masks_along(proposal.token_ids[0].tolist())[None]
-            p = logits_to_probs(logits[b : b + 1, :used], sequence.config.sampling, allowed)  # (1, 1 + k_b, V)
+            params = sequence.config.sampling
+            history = None  # penalties: the tokens before each verified position
+            if params.penalized:
+                history = TokenHistory(sequence.tokens + proposal.token_ids[0].tolist(), len(sequence.prompt_ids))
+            p = logits_to_probs(logits[b : b + 1, :used], params, allowed, history)  # (1, 1 + k_b, V)
             result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
             accepted.append(int(result.num_accepted[0]))
             new_tokens.append(result.token_ids[0, : accepted[-1] + 1].tolist())
