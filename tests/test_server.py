@@ -311,7 +311,6 @@ def test_n_choices_whole_and_streamed(client, target):
     assert whole.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
     assert 3 <= whole.usage.completion_tokens <= 3 * 24
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-    assert single.choices[0].message.content == texts[0]  # choice 0 samples with the request's seed
     assert len(whole.model_extra["speculative_choices"]) == 3
     streamed = ["", "", ""]
     finished = set()
