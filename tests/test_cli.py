@@ -25,6 +25,21 @@ def test_generate_json_speculative_equals_plain(capsys, tiny_dir, other_tiny_dir
     assert spec["stats"]["drafted_tokens"] > 0 and plain["stats"]["drafted_tokens"] == 0
 
 
+def test_generate_with_a_json_schema_and_penalties(capsys, tiny_dir, other_tiny_dir, tmp_path):
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps({"enum": ["add", "def", "class"]}))
+    common = ["--target", str(tiny_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--dtype", "float32",
+              "--json-schema", str(schema_file), "--frequency-penalty", "0.5", "--repetition-penalty", "1.2"]
+    plain = run_json(capsys, *common, "--draft", "none")
+    spec = run_json(capsys, *common, "--draft", str(other_tiny_dir), "--k", "3")
+    assert spec["token_ids"] == plain["token_ids"] and json.loads(plain["text"]) in ("add", "def", "class")
+    schema_file.write_text("{not json")
+    assert main(["generate", *common, "--draft", "none"]) == 2
+    assert "--json-schema" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_dir), "--prompt", "x", "--presence-penalty", "3"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
+
+
 def test_streamed_text_equals_json_text(capsys, tiny_dir, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("class")

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, on generated tokens (OpenAI's)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, per repeat of a generated token")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
+    gen.add_argument("--json-schema", type=Path, help="a JSON Schema file: the output is one document valid under it")
     gen.add_argument(
         "--seed", type=int, default=0,
         help="sampling seed: with a fixed --k the same seed gives the same text; with --k auto the "
@@ -201,12 +205,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = SamplingParams(
+        args.temperature, args.top_k, args.top_p, args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+    )
+    schema = None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--json-schema {args.json_schema}: cannot read a JSON schema there ({error})") from None
     needs_model = args.drafter in ("draft-model", "cross-tokenizer", "composite")
     plain = args.drafter == "none" or args.k == 0 or (needs_model and args.draft.lower() == "none")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-        stop_strings=tuple(args.stop), k=0 if plain else args.k,
+        stop_strings=tuple(args.stop), k=0 if plain else args.k, json_schema=schema,
     )
     progress = not args.json and sys.stderr.isatty()
     target = load_model(args.target, args.dtype, progress=progress, quantize=args.quantize)
