@@ -581,7 +581,9 @@ BAD_REQUESTS = {
     "logit-bias-value": Bad(CHAT, chat(logit_bias={"5": 150}), 400, None, "logit_bias"),
     "logit-bias-duplicate": Bad(CHAT, chat(logit_bias={"5": 1, "05": 2}), 400, None, "logit_bias"),
     "logit-bias-outside-vocabulary": Bad(COMPLETIONS, good(logit_bias={str(10**9): 1}), 400, None, "logit_bias"),
-    "tools": Bad(CHAT, chat(tools=[{"type": "function"}]), 400, UNSUPPORTED, "tools"),
+    "tools-without-tool-tokens": Bad(CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None,
+                                     "tools"),
+    "functions-legacy": Bad(CHAT, chat(functions=[{"name": "f"}]), 400, UNSUPPORTED, "functions"),
     "schema-invalid": Bad(
         CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}),
         400, "invalid_json_schema", "response_format",

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from verispec.drafters.base import Drafter, Proposal
-from verispec.grammar import Grammar, cut_to_grammar, grammar_for
+from verispec.grammar import Grammar, constraint_for, cut_to_grammar
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, logits_to_probs
@@ -35,6 +35,7 @@ class GenerationConfig:
     k_max: int = 8  # the longest draft "auto" considers
     logprobs: int | None = None  # served: each emitted token's log-probability and this many alternatives
     json_schema: dict | None = None  # structured output: the completion is one JSON document valid under it
+    lark_grammar: str | None = None  # or a grammar in llguidance's Lark syntax (served tool calls use one)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -45,7 +46,9 @@ class GenerationConfig:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be None or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
-        if self.json_schema is not None and self.eos_token_ids == ():
+        if self.json_schema is not None and self.lark_grammar is not None:
+            raise ValueError("give a json_schema or a lark_grammar, not both")
+        if (self.json_schema is not None or self.lark_grammar is not None) and self.eos_token_ids == ():
             raise ValueError("structured output ends with an end-of-sequence id: it cannot ignore them (ignore_eos)")
 
     @property
@@ -95,9 +98,8 @@ class SpeculativeEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds "
                 f"the model's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
-        grammar = None  # an empty schema ({}) still asks for one JSON document
-        if config.json_schema is not None:
-            grammar = grammar_for(self.target, config.json_schema, config.eos_token_ids)
+        # An empty schema ({}) still asks for one JSON document.
+        grammar = constraint_for(self.target, config.json_schema, config.lark_grammar, config.eos_token_ids)
         return TextStream(self, prompt_ids, config, grammar)
 
     def _steps(

@@ -60,9 +60,24 @@ class GrammarCompiler:
         import llguidance
 
         source = _grammar_source(json.dumps(schema))  # key order kept: properties come in the schema's order
+        return self._grammar(source, "the JSON schema")
+
+    def lark(self, source: str) -> "Grammar":
+        """A fresh grammar from llguidance's Lark syntax (tool calls: text, or special tokens around JSON)."""
+        import llguidance
+
+        try:
+            compiled = llguidance.grammar_from("lark", source)
+        except ValueError as error:
+            raise SchemaError(f"the grammar cannot be used: {error}") from None
+        return self._grammar(compiled, "the grammar")
+
+    def _grammar(self, source: str, what: str) -> "Grammar":
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
         if matcher.is_error():
-            raise SchemaError(f"the JSON schema cannot be used: {matcher.get_error()}")
+            raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size)
 
 
@@ -180,3 +195,14 @@ def grammar_for(target: "LoadedModel", schema: dict[str, Any], eos_token_ids: Se
     SchemaError for a schema the engine cannot compile.
     """
     return compiler_for(target, eos_token_ids).json_schema(schema)
+
+
+def constraint_for(
+    target: "LoadedModel", json_schema: dict[str, Any] | None, lark: str | None, eos_token_ids: Sequence[int] | None
+) -> Grammar | None:
+    """A request's grammar: from its JSON schema, or its Lark grammar (tool calls); None for neither."""
+    if json_schema is not None:
+        return grammar_for(target, json_schema, eos_token_ids)
+    if lark is not None:
+        return compiler_for(target, eos_token_ids).lark(lark)
+    return None

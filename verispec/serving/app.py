@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.grammar import SchemaError
 from verispec.serving.metrics import CONTENT_TYPE, ServerMetrics
+from verispec.serving.tools import CALL_OPEN, parse_tool_calls, template_messages, tool_tokens
 from verispec.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -192,9 +193,15 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         if not getattr(target.tokenizer, "chat_template", None):
             message = f"model {model_name!r} has no chat template; use /v1/completions with a raw prompt"
             raise APIError(400, message, "messages")
-        messages = [message.to_template() for message in body.messages]
+        messages = template_messages([message.to_template() for message in body.messages])
+        tools = body.functions_for_template()
+        if tools and tool_tokens(target.tokenizer) is None:
+            message = f"model {model_name!r} has no tool calling in its chat template (no {CALL_OPEN} token)"
+            raise APIError(400, message, "tools")
         try:
-            text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = target.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         except Exception as error:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template rejected them: {error}", "messages") from None
         return await generate(request, body, target.encode(text), "messages", CHAT)
@@ -239,25 +246,29 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(400, str(error)) from None
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         header = {"id": response_id, "created": int(time.time()), "model": model_name}
+        calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
         if body.stream:
-            chunks = sse_chunks(request, handles, header, shape, body.include_usage)
+            chunks = sse_chunks(request, handles, header, shape, body.include_usage, calls_tools)
             return StreamingResponse(
                 chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
-        return await whole_response(request, handles, header, shape, configs[0].logprobs is not None)
+        return await whole_response(request, handles, header, shape, configs[0].logprobs is not None, calls_tools)
 
     def token_text(token_id: int) -> str:
         return target.decode([token_id])
 
     async def whole_response(
-        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, logprobs: bool
+        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, logprobs: bool,
+        calls_tools: bool = False,
     ) -> JSONResponse:
         parts: list[list[str]] = [[] for _ in handles]
+        token_ids: list[list[int]] = [[] for _ in handles]
         entries: list[list[TokenLogprob]] = [[] for _ in handles]
         finals: list[SequenceEvent | None] = [None] * len(handles)
         async with cancel_on_disconnect(request, handles):
             async for index, event in merged_events(handles):
                 parts[index].append(event.text)
+                token_ids[index].extend(event.token_ids)
                 entries[index].extend(event.logprobs or [])
                 finals[index] = event
                 if event.finish_reason not in (None, "stop", "length"):
@@ -267,13 +278,22 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                          shape.logprobs(entries[index], token_text, 0) if logprobs else None)
             for index, final in enumerate(finals)
         ]
+        if calls_tools:  # chat: a completion that calls tools answers with tool_calls
+            call_tokens = tool_tokens(target.tokenizer)
+            for choice, ids in zip(choices, token_ids):
+                content, calls = parse_tool_calls(ids, call_tokens, target.decode)
+                if calls:
+                    choice["message"].update(content=content, tool_calls=calls)
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
         return JSONResponse({
             **header, "object": shape.object, "choices": choices, "usage": usage(finals),
             **speculative_stats(finals),
         })
 
     async def sse_chunks(
-        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, include_usage: bool
+        request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, include_usage: bool,
+        calls_tools: bool = False,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[dict], **extra) -> str:
             payload = {**header, "object": shape.chunk_object, "choices": choices}
@@ -284,6 +304,12 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
 
         offsets = [0] * len(handles)  # per choice: characters of completion text its logprobs sent so far cover
         finals: list[SequenceEvent | None] = [None] * len(handles)
+        # Per choice, with tools: None until its first token says; then whether it calls (its text is held back
+        # and each call goes out whole once closed), the text so far and the calls sent.
+        calling: list[bool | None] = [None if calls_tools else False] * len(handles)
+        held: list[list[int]] = [[] for _ in handles]
+        sent: list[list[dict]] = [[] for _ in handles]
+        call_tokens = tool_tokens(target.tokenizer) if calls_tools else None
         async with cancel_on_disconnect(request, handles):
             if shape.opening_delta is not None:
                 for index in range(len(handles)):
@@ -294,7 +320,16 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                     metrics.error(error.type, error.code)
                     yield f"data: {json_dumps(error.body())}\n\n"
                     break
-                if event.text or event.logprobs:
+                if calling[index] is None and event.token_ids:
+                    calling[index] = event.token_ids[0] == call_tokens.open_id
+                if calling[index]:
+                    held[index] += event.token_ids
+                    _, calls = parse_tool_calls(held[index], call_tokens, target.decode)
+                    for number, call in enumerate(calls[len(sent[index]):], start=len(sent[index])):
+                        yield chunk([{"index": index, "delta": {"tool_calls": [{"index": number, **call}]},
+                                      "logprobs": None, "finish_reason": None}])
+                    sent[index] = calls
+                elif event.text or event.logprobs:
                     step_logprobs = None
                     if event.logprobs:  # the step's tokens, whether or not their text is released yet
                         step_logprobs = shape.logprobs(event.logprobs, token_text, offsets[index])
@@ -302,7 +337,10 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                     yield chunk([shape.delta(index, event.text, None, step_logprobs)])
                 if event.finish_reason is not None:
                     finals[index] = event
-                    yield chunk([shape.delta(index, None, event.finish_reason)])
+                    if calling[index] and not sent[index] and held[index]:  # cut before a call closed: as text
+                        yield chunk([shape.delta(index, target.decode(held[index]), None)])
+                    reason = "tool_calls" if sent[index] and event.finish_reason == "stop" else event.finish_reason
+                    yield chunk([shape.delta(index, None, reason)])
                     if include_usage and all(final is not None for final in finals):
                         yield chunk([], usage=usage(finals), **speculative_stats(finals))
             yield "data: [DONE]\n\n"

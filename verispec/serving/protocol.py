@@ -2,7 +2,8 @@
 
 Types are strict (`"temperature": "0.5"` is an error, not 0.5): a client that sends the wrong
 type has a bug worth hearing about. OpenAI fields that would change the output but are not
-implemented (echo, suffix, tools, ...) are refused with a 400;
+implemented (echo, suffix, the legacy functions, ...) are refused with a 400;
+tools / tool_choice become a grammar over the completion (verispec.serving.tools);
 response_format json_object / json_schema constrain the output with a grammar (verispec.grammar);
 presence / frequency penalties and logit_bias shape p and q alike (verispec.sampling);
 fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
@@ -24,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from verispec.engine import GenerationConfig
 from verispec.grammar import ANY_JSON_OBJECT
 from verispec.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from verispec.serving.tools import tool_grammar
 
 DEFAULT_MAX_TOKENS = 256  # when the request gives none; lowered to what the context leaves
 MAX_STOP_STRINGS = 4
@@ -63,8 +65,7 @@ def _unsupported(detail: str) -> PydanticCustomError:
 _REFUSED_WHEN_SET = {
     "echo": "echo",
     "suffix": "suffix (insertion)",
-    "tools": "tools (tool calling)",
-    "functions": "functions (tool calling)",
+    "functions": "functions (the legacy form; send tools)",
 }
 
 
@@ -250,6 +251,10 @@ class _GenerationRequest(BaseModel):
         """How many alternatives to report with each token's log-probability; None: no logprobs."""
         return None
 
+    def lark_grammar(self) -> str | None:
+        """A grammar the completion must follow besides response_format (chat: tool calls)."""
+        return None
+
     @property
     def choices(self) -> int:
         return self.n or 1
@@ -269,6 +274,7 @@ class _GenerationRequest(BaseModel):
             eos_token_ids=() if self.ignore_eos else None,
             logprobs=self.requested_logprobs(),
             json_schema=self.response_format.required_schema() if self.response_format is not None else None,
+            lark_grammar=self.lark_grammar(),
         )
         seeds = [seed + i if seed + i < 2**64 else seed + i - 2**64 for i in range(self.choices)]
         return [dataclasses.replace(config, seed=choice_seed) for choice_seed in seeds]
@@ -313,11 +319,51 @@ def _is_text_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: Flag | None = None  # the arguments follow the schema whether or not it is set
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    class Name(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        name: Text
+
+    type: Literal["function"]
+    function: Name
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str = ""  # a string, a list of text parts (joined) or null
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool's answer: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -332,6 +378,10 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -340,10 +390,50 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: Flag | None = None
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Flag | None = None  # None: true, as OpenAI
     functions: list[Any] | None = None
 
-    _refuse_chat_fields = field_validator("tools", "functions")(_refuse_when_set)
+    _refuse_chat_fields = field_validator("functions")(_refuse_when_set)
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_its_tool(self) -> "ChatCompletionRequest":
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be distinct")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.calls_tools and self.response_format is not None and self.response_format.required_schema():
+            raise ValueError("response_format JSON cannot be combined with tools unless tool_choice is 'none'")
+        return self
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """None without tools; else "none", "auto" (the default), "required" or the named function."""
+        if not self.tools:
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the completion may hold tool calls (to be returned as tool_calls)."""
+        return self.tool_choice_name not in (None, "none")
+
+    def functions_for_template(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def lark_grammar(self) -> str | None:
+        if self.tool_choice_name is None:
+            return None
+        if not self.calls_tools and self.response_format is not None and self.response_format.required_schema():
+            return None  # the JSON schema already leaves no room for a call
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+        return tool_grammar(functions, self.tool_choice_name, self.parallel_tool_calls is not False)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

@@ -35,7 +35,7 @@ import torch
 from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.engine import GenerationConfig
-from verispec.grammar import Grammar, SchemaError, compiler_for, cut_to_grammar, grammar_for
+from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for, cut_to_grammar
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import AdaptiveController, ControllerSettings, moving_average
@@ -310,7 +310,7 @@ class Scheduler:
         except RuntimeError:
             loop = None
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
-        grammar = grammar_for(self.target, config.json_schema, eos) if config.json_schema is not None else None
+        grammar = constraint_for(self.target, config.json_schema, config.lark_grammar, eos)
         return _Sequence(
             handle=RequestHandle(loop),
             prompt_ids=list(prompt_ids),
