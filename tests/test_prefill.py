@@ -146,7 +146,7 @@ def test_served_requests_reuse_a_shared_prefix_and_keep_their_single_request_out
 
 def test_prefill_budget_gives_the_prompts_their_share_of_the_step():
     assert prefill_budget(None, 0.001, 1, 4) == prefill_budget(0.1, None, 1, 4) == PREFILL_CHUNK  # unmeasured
-    assert prefill_budget(0.1, 0.005, 1, 4) == 10  # one prompt, 4 streams: not a fair fifth, half a step
+    assert prefill_budget(0.1, 0.005, 1, 4) == 15  # one prompt, 4 streams: not a fair fifth, 0.75 of a step
     assert prefill_budget(0.1, 0.005, 1, 1) == 20  # one prompt, one stream: as long as its step
     assert prefill_budget(0.1, 0.005, 15, 1) == 300  # a burst: the prompts' 15 shares
     assert prefill_budget(0.001, 0.005, 1, 8) == 1  # always some progress

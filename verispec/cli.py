@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "prompt, a chat history), reused instead of prefilled again; 0 turns it off")
     serve.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                        help="while others decode, a prompt goes in by chunks that take its share of each step: the "
-                       "streams keep flowing (about 1.5x slower) but prompts go in slower and throughput drops "
+                       "streams keep flowing (at most 1.75x slower) but prompts go in slower and throughput drops "
                        "on CPUs (see the README); default: every waiting prompt goes in whole before the next step")
     serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                        help="larger request bodies are refused with HTTP 413")

@@ -695,9 +695,8 @@ class Scheduler:
 
 COST_SMOOTHING = 0.2  # weight of the newest step or prefill timing in the scheduler's moving averages
 # While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
-# among streams makes their tokens about 1.5x slower (a chunk of a few tokens costs more per token than the
-# measured average, so somewhat more: benchmarks/chunked-prefill/admission), and goes in slower itself.
-PREFILL_MIN_SHARE = 0.5
+# among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
+PREFILL_MIN_SHARE = 0.75
 
 
 def prefill_budget(step_seconds: float | None, token_seconds: float | None, prompts: int, decoding: int) -> int:
@@ -706,7 +705,7 @@ def prefill_budget(step_seconds: float | None, token_seconds: float | None, prom
     Requests share the model's time evenly, the waiting ones at least PREFILL_MIN_SHARE of a decoding
     step: a step's prefill lasts max(prompts / decoding, PREFILL_MIN_SHARE) decoding steps
     (step_seconds, measured) at token_seconds a prompt token (measured). So a burst of new requests
-    goes in quickly, and one long prompt slows the streams by about 1.5x. Until both costs are
+    goes in quickly, and one long prompt slows the streams by 1.75x at most. Until both costs are
     measured, one chunk.
     """
     if step_seconds is None or token_seconds is None:
