@@ -137,6 +137,21 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     assert scheduler._worth_catching_up([True, False, True, True], [2, 2, 2, 1]) == [True, False, True, False]
 
 
+def test_a_probe_catches_its_row_up_even_where_estimates_say_it_cannot_pay(target, monkeypatch):
+    """Estimates that refuse every catch-up would keep a row (and every later one) from drafting, so acceptance
+    would never be measured again; a probe's row catches up regardless."""
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(2, 8, 256))
+    scheduler.submit(target.encode(PROMPTS[1]) * 2, GenerationConfig(max_new_tokens=40))
+    scheduler._admit()
+    sequence = scheduler.active[0]
+    assert scheduler.draft.behind(0, sequence.tokens) > LONG_TAIL
+    monkeypatch.setattr(scheduler.controller, "catch_up_pays", lambda *args: False)
+    proposals, _ = scheduler._draft([3], ["draft-model"], probing=False)
+    assert proposals[0].num_tokens == 0 and scheduler.draft.behind(0, sequence.tokens) > LONG_TAIL
+    proposals, _ = scheduler._draft([1], ["draft-model"], probing=True)
+    assert proposals[0].num_tokens == 1 and scheduler.draft.behind(0, sequence.tokens) <= LONG_TAIL
+
+
 def test_build_scheduler_loads_the_composite_drafters_model(tiny_dir, other_tiny_dir):
     from verispec.serving.scheduler import build_scheduler
 
