@@ -126,11 +126,12 @@ def test_required_and_named_choices_return_valid_calls_equal_to_the_library(clie
     if isinstance(choice, dict):
         assert {call.function.name for call in message.tool_calls} == {"add"}
     # Lossless: the library's plain decoding under the same grammar gives the same calls.
-    name = choice if isinstance(choice, str) else "add"
+    kind, name = (choice, None) if isinstance(choice, str) else ("function", "add")
     functions = [WEATHER["function"], ADD["function"]]
     prompt = target.tokenizer.apply_chat_template(MESSAGES, tools=[WEATHER, ADD], tokenize=False,
                                                   add_generation_prompt=True)
-    config = GenerationConfig(max_new_tokens=MAX_TOKENS, lark_grammar=tool_grammar(functions, name, parallel=False))
+    grammar = tool_grammar(functions, kind, parallel=False, name=name)
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS, lark_grammar=grammar)
     ids = SpeculativeEngine(target).generate(prompt, config).token_ids
     _, expected = parse_tool_calls(ids, tool_tokens(target.tokenizer), target.decode)
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
@@ -167,6 +168,14 @@ def test_streamed_calls_equal_the_whole_response(client):
             reasons.append(choice.finish_reason)
     assert [streamed[i] for i in sorted(streamed)] == [(c.function.name, c.function.arguments) for c in whole]
     assert reasons[-1] == "tool_calls"
+
+
+def test_a_function_named_like_a_choice_is_still_a_named_choice(client):
+    """A function called "none" chosen by name must be called (not read as tool_choice "none")."""
+    none_named = {"type": "function", "function": {**ADD["function"], "name": "none"}}
+    response = chat(client, tools=[none_named], tool_choice={"type": "function", "function": {"name": "none"}})
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name == "none" and response.choices[0].finish_reason == "tool_calls"
 
 
 def test_a_conversation_with_calls_and_their_results_renders(client):

@@ -412,11 +412,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def tool_choice_name(self) -> str | None:
-        """None without tools; else "none", "auto" (the default), "required" or the named function."""
+        """None without tools; else "none", "auto" (the default), "required" or "function" (a named one)."""
         if not self.tools:
             return None
         if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
+            return "function"
         return self.tool_choice or "auto"
 
     @property
@@ -433,7 +433,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.calls_tools and self.response_format is not None and self.response_format.required_schema():
             return None  # the JSON schema already leaves no room for a call
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
-        return tool_grammar(functions, self.tool_choice_name, self.parallel_tool_calls is not False)
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return tool_grammar(functions, self.tool_choice_name, self.parallel_tool_calls is not False, name)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

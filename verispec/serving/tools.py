@@ -67,17 +67,20 @@ def call_schema(functions: list[dict]) -> dict:
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
-def tool_grammar(functions: list[dict], choice: str, parallel: bool = True) -> str:
-    """Lark source for a completion under tool_choice `choice` ("none", "auto", "required" or a function's name).
+def tool_grammar(functions: list[dict], choice: str, parallel: bool = True, name: str | None = None) -> str:
+    """Lark source for a completion under tool_choice `choice`: "none", "auto", "required" or "function"
+    (then `name` is the function to call).
 
     functions: OpenAI function objects ({"name", "description", "parameters"}); a named choice must be one.
     """
+    if choice not in ("none", "auto", "required", "function"):
+        raise ValueError(f"tool_choice must be none, auto, required or function, got {choice!r}")
     text = "TEXT: /(?s:.+)/\n"
     if choice == "none":
         return "%llguidance {}\nstart: TEXT\n" + text
-    called = functions if choice in ("auto", "required") else [f for f in functions if f["name"] == choice]
+    called = functions if choice != "function" else [f for f in functions if f["name"] == name]
     if not called:
-        raise ValueError(f"tool_choice names function {choice!r}, which is not in tools")
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
     several = parallel and choice in ("auto", "required")
     calls = 'calls: call ("\\n" call)*\n' if several else "calls: call\n"
     start = "start: TEXT | calls\n" if choice == "auto" else "start: calls\n"
