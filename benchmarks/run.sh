@@ -182,6 +182,11 @@ prefill() {  # issue 12 items 4-5: prefix reuse and chunked prefill, each agains
     .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission
 }
 
+structured_output() {  # issue 12 item 1: every mode free and under each prompt's JSON schema, in one run.
+    $V bench --workload benchmarks/workloads/json-extraction.jsonl --modes plain,spec,composite --k auto \
+        --schema both --max-new-tokens 160 --threads 2 --out benchmarks/structured-output
+}
+
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(humaneval code_edit sweep adversarial chat proposal serve peers)
 for section in "${sections[@]}"; do
