@@ -114,6 +114,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
     app = FastAPI(title="verispec", summary="OpenAI-compatible lossless speculative decoding")
     created = int(time.time())
     target = scheduler.target
+    call_tokens = tool_tokens(target.tokenizer)  # once: reading the vocabulary takes ~0.1 s for Qwen's
 
     def error_response(error: APIError) -> JSONResponse:
         metrics.error(error.type, error.code)
@@ -195,7 +196,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(400, message, "messages")
         messages = template_messages([message.to_template() for message in body.messages])
         tools = body.functions_for_template()
-        if tools and tool_tokens(target.tokenizer) is None:
+        if tools and call_tokens is None:
             message = f"model {model_name!r} has no tool calling in its chat template (no {CALL_OPEN} token)"
             raise APIError(400, message, "tools")
         try:
@@ -279,7 +280,6 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             for index, final in enumerate(finals)
         ]
         if calls_tools:  # chat: a completion that calls tools answers with tool_calls
-            call_tokens = tool_tokens(target.tokenizer)
             for choice, ids in zip(choices, token_ids):
                 content, calls = parse_tool_calls(ids, call_tokens, target.decode)
                 if calls:
@@ -309,7 +309,6 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         calling: list[bool | None] = [None if calls_tools else False] * len(handles)
         held: list[list[int]] = [[] for _ in handles]
         sent: list[list[dict]] = [[] for _ in handles]
-        call_tokens = tool_tokens(target.tokenizer) if calls_tools else None
         async with cancel_on_disconnect(request, handles):
             if shape.opening_delta is not None:
                 for index in range(len(handles)):
@@ -324,11 +323,12 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
                     calling[index] = event.token_ids[0] == call_tokens.open_id
                 if calling[index]:
                     held[index] += event.token_ids
-                    _, calls = parse_tool_calls(held[index], call_tokens, target.decode)
-                    for number, call in enumerate(calls[len(sent[index]):], start=len(sent[index])):
-                        yield chunk([{"index": index, "delta": {"tool_calls": [{"index": number, **call}]},
-                                      "logprobs": None, "finish_reason": None}])
-                    sent[index] = calls
+                    if call_tokens.close_id in event.token_ids:  # a call closed in this event: send it
+                        _, calls = parse_tool_calls(held[index], call_tokens, target.decode)
+                        for number, call in enumerate(calls[len(sent[index]):], start=len(sent[index])):
+                            yield chunk([{"index": index, "delta": {"tool_calls": [{"index": number, **call}]},
+                                          "logprobs": None, "finish_reason": None}])
+                        sent[index] = calls
                 elif event.text or event.logprobs:
                     step_logprobs = None
                     if event.logprobs:  # the step's tokens, whether or not their text is released yet
