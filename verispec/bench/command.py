@@ -224,8 +224,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     greedy = config.sampling.greedy
     summaries = [summarize_mode(results, m.name, baseline_of(m), greedy) for m in modes]
-    if with_schemas:
+    if with_schemas or args.check:  # each mode's outputs as text, in prompt order
         texts = {m.name: [target.decode(r.runs[m.name].token_ids) for r in results] for m in modes}
+    if with_schemas:
         validity = schema_valid(prompts, texts)
         for summary in summaries:
             summary.update(validity[summary["mode"]])
@@ -234,7 +235,6 @@ def run_bench(args: argparse.Namespace) -> int:
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console, transient=True
         ) as progress:
             task = progress.add_task(f"running {args.check} tests", total=len(prompts) * len(modes))
-            texts = {m.name: [target.decode(r.runs[m.name].token_ids) for r in results] for m in modes}
             scores = pass_at_1(prompts, texts, on_check=lambda: progress.update(task, advance=1))
         for summary in summaries:
             summary.update(scores[summary["mode"]])
