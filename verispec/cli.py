@@ -127,7 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                        help="larger request bodies are refused with HTTP 413")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
-    serve.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    serve.add_argument("--threads", type=_positive_int, default=None,
+                       help="CPU threads (default: torch's); with --replicas, split evenly among the replicas")
+    ray = serve.add_argument_group("Ray Serve (pip install -e '.[ray]'; see deploy/ray/README.md)")
+    ray.add_argument("--replicas", type=_positive_int, default=None,
+                     help="run N replicas (models + scheduler each) as a Ray Serve deployment behind its HTTP proxy")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster ('auto', 'HOST:6379', 'ray://HOST:10001') instead of starting a "
+                     "local Ray instance; --threads is then per replica")
+    ray.add_argument("--min-replicas", type=_non_negative_int, default=None, help="autoscale from this many replicas")
+    ray.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscale up to this many replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                     help="autoscaling: requests in flight per replica it aims at (default 8)")
 
     from verispec.bench.command import add_arguments
 
@@ -269,7 +280,50 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cmd_serve_replicas(args: argparse.Namespace) -> int:
+    """`serve --replicas N` / `--ray-address`: the server as a Ray Serve deployment (verispec.serving.ray_serve)."""
+    import os
+
+    from verispec.serving.ray_serve import ReplicaSettings, run_replicas
+
+    replicas = args.replicas or 1
+    most = args.max_replicas if args.max_replicas is not None else replicas
+    if args.ray_address is not None:  # a cluster: the threads are each replica's
+        threads = args.threads or 1
+    else:  # this machine: the threads are split among the replicas it may run
+        total = args.threads or os.cpu_count() or 1
+        if total < most:
+            raise ValueError(
+                f"--threads {total} cannot be split among {most} replicas (each needs one); "
+                f"lower --replicas/--max-replicas or raise --threads"
+            )
+        threads = total // most
+    _listen(args.host, args.port).close()  # a taken port fails now, not after Ray started
+    settings = ReplicaSettings(
+        target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype, quantize=args.quantize,
+        draft_quantize=args.draft_quantize, k=args.k, k_max=args.k_max, max_batch_size=args.max_batch_size,
+        max_waiting=args.max_waiting, max_context=args.max_context, prefix_cache_mb=args.prefix_cache_mb,
+        chunked_prefill=args.chunked_prefill, max_request_bytes=args.max_request_bytes,
+        served_model_name=args.served_model_name, threads=threads, replicas=replicas,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+    )
+    autoscaling = settings.autoscaling  # raises ValueError for min > max
+    scaling = (f"{autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas (autoscaled)"
+               if autoscaling else f"{replicas} replicas")
+
+    def ready(url: str) -> None:
+        print(f"verispec: serving {settings.served_model_name or settings.target!r} on Ray Serve, {scaling} x "
+              f"{threads} threads (drafter {settings.drafter_name}) on {url}", file=sys.stderr, flush=True)
+
+    run_replicas(settings, args.host, args.port, args.ray_address, ready)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address is not None or args.min_replicas is not None \
+            or args.max_replicas is not None:
+        return cmd_serve_replicas(args)
     import uvicorn
 
     from verispec.serving.app import create_app
