@@ -159,3 +159,18 @@ def test_bad_k_is_rejected():
         GenerationConfig(k="sometimes")
     with pytest.raises(ValueError, match="k_max"):
         GenerationConfig(k_max=0)
+
+
+def test_a_packed_chunk_fits_the_measured_costs_and_stays_below_a_jump():
+    from verispec.policy import largest_fitting_chunk
+
+    # A forward of 8 tokens costs 64 ms, of 9: 95 ms (a kernel for up to 8 rows, then another).
+    costs = {4: 0.050, 8: 0.064, 9: 0.095, 12: 0.108, 32: 0.170}
+    assert largest_fitting_chunk(costs, 4, 0.0375, 0.004, 100) == 4  # 4 + 4 = 8 fits; 9 costs 95 ms > 87.5
+    del costs[9]  # unmeasured: the line from 8 to 12, 11 ms a token, lets 10 in (86 ms), which measuring corrects
+    assert largest_fitting_chunk(costs, 4, 0.0375, 0.004, 100) == 6
+    assert largest_fitting_chunk(costs, 4, 0.2, 0.004, 100) == 48  # 32 tokens at 170 ms, then 4 ms a token: 52 at 250
+    assert largest_fitting_chunk(costs, 4, 10.0, 0.004, 100) == 100  # at most what is left
+    assert largest_fitting_chunk(costs, 4, 0.0, 0.004, 100) == 1  # always some progress
+    assert largest_fitting_chunk({}, 4, 0.04, 0.004, 100) == 10  # nothing measured: the per-token cost alone
+    assert largest_fitting_chunk({16: 0.1}, 4, 0.04, 0.004, 100) == 22  # flat below the one size known, then 4 ms a token

@@ -152,10 +152,10 @@ def test_prefill_budget_gives_the_prompts_their_share_of_the_step():
     assert prefill_budget(0.001, 0.005, 1, 8) == 1  # always some progress
 
 
-@pytest.mark.parametrize("quantize", ["none", "w4a8"])  # whole chunks (not batch-invariant), any size (invariant)
-def test_a_long_prompt_goes_in_by_chunks_while_others_decode_and_keeps_its_output(tiny_dir, quantize, monkeypatch):
-    loaded = load_model(str(tiny_dir), "float32" if quantize == "none" else "bfloat16", quantize=quantize)
-    assert loaded.model.batch_invariant == (quantize == "w4a8")
+def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keeps_its_output(tiny_dir, monkeypatch):
+    """A model that is not batch-invariant: the chunks are forwards of their own, on chunk boundaries."""
+    loaded = load_model(str(tiny_dir), "float32", quantize="none")
+    assert not loaded.model.batch_invariant
     vocab = loaded.model.vocab_size
     prompts = [token_ids(9, 20, vocab), token_ids(12, 21, vocab), token_ids(300, 22, vocab)]
     lengths = [3, 40, 10]  # the first finishes (and its row is taken back) while the long prompt goes in
@@ -185,9 +185,62 @@ def test_a_long_prompt_goes_in_by_chunks_while_others_decode_and_keeps_its_outpu
         if not chunked:
             assert long == [(299, None, 299)] and all(budget is None for _, budget, _ in calls)
             continue
-        piece = 7 if quantize == "w4a8" else PREFILL_CHUNK  # a model that is not batch-invariant feeds whole chunks
-        fed = [fed for _, _, fed in long]  # pieces while others decode; once nobody decodes, the rest at once
-        assert len(fed) >= 3 and all(f == piece for f in fed[:-1]), fed
+        fed = [fed for _, _, fed in long]  # whole chunks while others decode; once nobody decodes, the rest at once
+        assert len(fed) >= 3 and all(f == PREFILL_CHUNK for f in fed[:-1]), fed
         ttft = [evs[-1].stats.time_to_first_token for evs in events]
         assert ttft[2] > max(ttft[:2])  # the short requests streamed while the long prompt went in
 
+
+
+def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_keeps_every_output(tiny_dir, monkeypatch):
+    """Chunks of a long prompt ride in the streams' own verify forwards (no forward of their own), each of the size the
+    cost model gives; every request keeps its single-request output, and keys match a whole prefill's bit for bit."""
+    loaded = load_model(str(tiny_dir), "bfloat16", quantize="w4a8")
+    assert loaded.model.batch_invariant
+    vocab = loaded.model.vocab_size
+    prompts = [token_ids(9, 20, vocab), token_ids(12, 21, vocab), token_ids(300, 22, vocab)]
+    lengths = [3, 40, 10]  # the first finishes (and its row is taken back) while the long prompt goes in
+    expected = [
+        SpeculativeEngine(loaded, None).generate(p, GenerationConfig(max_new_tokens=n)).token_ids
+        for p, n in zip(prompts, lengths)
+    ]
+    sizes = []  # (verify tokens, extra seconds) the scheduler asked a chunk size for
+    monkeypatch.setattr(
+        scheduler_module, "largest_fitting_chunk", lambda costs, base, extra, per_token, most: sizes.append(base) or 7
+    )
+    prefills, packed = [], []  # prompt tokens fed by prefill; row widths of each packed forward
+    real_prefill, real_packed = loaded.model.prefill, loaded.model.forward_packed
+    monkeypatch.setattr(loaded.model, "prefill", lambda ids, cache, most=None: prefills.append(len(ids)) or real_prefill(ids, cache, most))
+    monkeypatch.setattr(
+        loaded.model, "forward_packed",
+        lambda rows, cache, wanted: packed.append((len(rows[-1]), wanted[-1])) or real_packed(rows, cache, wanted),
+    )
+    scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=True)
+    scheduler._prefill_token_seconds = 0.01  # as if a whole prefill had been timed: chunks of largest_fitting_chunk's size
+    events = run_to_the_end(scheduler, prompts, [GenerationConfig(max_new_tokens=n) for n in lengths])
+    assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
+    assert scheduler.num_active == 0
+    assert 299 not in prefills  # the long prompt never went in by a forward of its own while others decoded
+    chunks = [width for width, wants_logits in packed if not wants_logits]  # the rows that carried a chunk
+    # Chunks of 7 but each prompt's last; the first prompt went in whole (nothing decoded yet), and so would a rest
+    # that finds nobody decoding any more.
+    assert len(chunks) >= 30 and all(c <= 7 for c in chunks) and sum(c < 7 for c in chunks) <= 2, chunks
+    assert sum(chunks) + sum(prefills) == sum(len(p) - 1 for p in prompts)
+    assert len(sizes) == len(chunks)
+    ttft = [evs[-1].stats.time_to_first_token for evs in events]
+    assert ttft[2] > max(ttft[:2])  # the short requests streamed while the long prompt went in
+
+
+def test_a_packed_chunk_gets_the_keys_of_a_whole_prefill(tiny_dir):
+    """What the scheduler relies on to store packed prompts in the prefix cache: same bits as prefill."""
+    model = load_model(str(tiny_dir), "bfloat16", quantize="w4a8").model
+    vocab = model.vocab_size
+    stream, prompt = token_ids(20, 30, vocab), token_ids(150, 31, vocab)
+    cache = model.new_cache(2, 400)
+    model.prefill(stream, cache.rows(0, 1))
+    fed = 0
+    for size in (7, 61, 1, 81):  # across chunk boundaries, beside a verify row of 3 tokens
+        model.forward_packed([token_ids(3, 40 + size, vocab), prompt[fed : fed + size]], cache, [True, False])
+        cache.rows(1, 2).commit(size)
+        fed += size
+    assert_same_cache(prefilled(model, prompt), cache.rows(1, 2), 150)

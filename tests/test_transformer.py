@@ -227,3 +227,48 @@ def test_write_plan_is_shared_by_layers_and_matches_a_planless_write():
         planned.write(0, keys[:, :, :2], keys[:, :, :2], plan)
     with pytest.raises(RuntimeError, match="overflow"):
         planned.plan_write(8)
+
+
+@pytest.mark.parametrize("dtype,quantize", [("float32", "none"), ("bfloat16", "w4a8")])
+def test_a_packed_forward_gives_each_row_what_it_gets_alone(tiny_dir, dtype, quantize):
+    """Rows of different widths (an empty row, verify passes, a prompt chunk past the padded-group size) in one
+    packed forward: each row's logits and keys are those of its own forward; bit for bit where batch-invariant."""
+    model = load_model(tiny_dir, dtype, quantize=quantize).model
+    generator = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in (7, 0, 12, 30, 5)]
+    new = [torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in (4, 1, 0, 40, 2)]
+    with_logits = [True, True, True, False, True]
+    packed = model.new_cache(len(prefixes), 128)
+    for b, prefix in enumerate(prefixes):
+        if prefix:
+            model.prefill(prefix, packed.rows(b, b + 1))
+    results = model.forward_packed(new, packed, with_logits)
+    exact = model.batch_invariant
+    for b, (prefix, tokens) in enumerate(zip(prefixes, new)):
+        alone = model.new_cache(1, 128)
+        if prefix:
+            model.prefill(prefix, alone)
+        if not tokens:
+            assert results[b] is None
+            continue
+        expected = model.forward(torch.tensor([tokens]), alone)[0]  # (T, V)
+        span = len(prefix) + len(tokens)
+        for layer in range(len(alone.keys)):
+            got, want = packed.keys[layer][b, :, :span], alone.keys[layer][0, :, :span]
+            assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-5), (b, layer)
+        if not with_logits[b]:
+            assert results[b] is None
+            continue
+        assert results[b].shape == expected.shape
+        assert torch.equal(results[b], expected) if exact else torch.allclose(results[b], expected, atol=1e-4), b
+    assert torch.equal(packed.lengths, torch.tensor([len(p) for p in prefixes]))  # nothing committed
+    with pytest.raises(ValueError, match="one entry per cache row"):
+        model.forward_packed(new[:2], packed, with_logits[:2])
+    with pytest.raises(RuntimeError, match="overflow"):
+        model.forward_packed([[1] * 200] + [[]] * 4, packed, with_logits)
+
+
+def test_attention_groups_pad_short_rows_together_and_leave_long_rows_alone():
+    assert transformer._attention_groups([3, 1, 0, 40, 2, 5]) == [(0, 2), (3, 4), (4, 6)]
+    assert transformer._attention_groups([0, 0]) == []
+    assert transformer._attention_groups([17, 2]) == [(0, 1), (1, 2)]

@@ -29,6 +29,7 @@ and weighed by `catch_up_pays` against what drafting saves over the sequence's r
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -168,16 +169,19 @@ class AdaptiveController:
         accepted: int,
         draft_seconds: float,
         verify_tokens: int,
-        verify_seconds: float,
+        verify_seconds: float | None,
         batch_size: int = 1,
     ) -> None:
         """Record one sequence's step: how many drafts from `source` were accepted, what each phase cost.
 
         For a batch, call once per sequence with the whole step's draft_seconds and verify pass
         (verify_tokens = tokens in the batched forward); the costs are averaged per batch size.
+        verify_seconds None: the forward also carried other work (a prompt chunk), so it tells
+        nothing of what verifying costs and only the acceptance is recorded.
         """
         w = self.settings.smoothing
-        self.verify_cost[verify_tokens] = moving_average(self.verify_cost.get(verify_tokens), verify_seconds, w)
+        if verify_seconds is not None:
+            self.verify_cost[verify_tokens] = moving_average(self.verify_cost.get(verify_tokens), verify_seconds, w)
         if drafted == 0:
             return
         averages = self._source(source)
@@ -246,3 +250,32 @@ def _interpolate(table: dict[int, float], x: int) -> float | None:
     slope = max((table[seen[-1]] - table[seen[0]]) / (seen[-1] - seen[0]), 0.0)
     nearest = seen[-1] if x > seen[-1] else seen[0]
     return max(table[nearest] + slope * (x - nearest), 1e-6)
+
+
+def largest_fitting_chunk(
+    costs: dict[int, float], base_tokens: int, extra_seconds: float, token_seconds: float, most: int
+) -> int:
+    """The most prompt tokens (1 .. most) that a forward over base_tokens can carry for extra_seconds more.
+
+    costs: measured seconds of forwards by their tokens in all. A forward over x tokens is estimated
+    by the line through the measured sizes around x (the flat cost of the smallest below it), and
+    beyond the largest measured size as that cost plus token_seconds per further token: where the
+    cost of a forward jumps (a kernel that takes up to 8 rows, then another), the measured sizes
+    show the jump and the chunk stays below it. At least 1, so a prompt always goes in.
+    """
+    seen = sorted(costs)
+    if not seen:
+        return max(1, min(most, int(extra_seconds / token_seconds)))
+
+    def estimate(x: int) -> float:
+        if x >= seen[-1]:
+            return costs[seen[-1]] + (x - seen[-1]) * token_seconds
+        if x <= seen[0]:
+            return costs[seen[0]]
+        above = bisect.bisect_left(seen, x)
+        low, high = seen[above - 1], seen[above]
+        return costs[low] + (costs[high] - costs[low]) * (x - low) / (high - low)
+
+    limit = estimate(base_tokens) + extra_seconds
+    fitting = [c for c in range(1, most + 1) if estimate(base_tokens + c) <= limit]
+    return max(fitting, default=1)

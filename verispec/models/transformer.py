@@ -9,6 +9,7 @@ through this one function, so speed comparisons between them are fair.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,25 @@ def _attention_per_row(
             tokens.append(attend_one(row_q.narrow(2, t, 1), k, v))  # (1, H, 1, D)
         rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
     return torch.cat(rows)  # (B, H, T, D)
+
+
+PACKED_GROUP_MAX_TOKENS = 16  # rows of a packed forward with at most this many new tokens attend in one padded call
+
+
+def _attention_groups(counts: list[int]) -> list[tuple[int, int]]:
+    """Row ranges [first, last) that attend together in a packed forward: runs of short rows (at most
+    PACKED_GROUP_MAX_TOKENS new tokens, padded to the longest of the run) and each longer row alone
+    (a prompt chunk: padding the others to its length would cost more than a call); rows with none skipped."""
+    groups: list[tuple[int, int]] = []
+    for b, count in enumerate(counts):
+        if count == 0:
+            continue
+        short = count <= PACKED_GROUP_MAX_TOKENS
+        if short and groups and groups[-1][1] == b and max(counts[groups[-1][0] : b]) <= PACKED_GROUP_MAX_TOKENS:
+            groups[-1] = (groups[-1][0], b + 1)
+        else:
+            groups.append((b, b + 1))
+    return groups
 
 
 def _sees_all(seen: int | torch.Tensor, keys: torch.Tensor) -> bool:
@@ -375,10 +395,7 @@ class Transformer:
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         qk_size = q_size + kv_size
 
-        x = self.embed[input_ids]  # (B, T, C)
-        for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h)  # (B, T, (H + 2 Hkv) D)
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:  # (B, T, (H + 2 Hkv) D) -> (B, T, H D)
             qk = qkv.narrow(-1, 0, qk_size).view(batch, num_new, heads + kv_heads, c.head_dim)  # (B, T, H + Hkv, D)
             qk = apply_rotary(qk, cos, sin)  # q and k take their rotary embedding in one go
             q = qk.narrow(2, 0, heads).transpose(1, 2)  # (B, H, T, D)
@@ -392,12 +409,88 @@ class Transformer:
                 q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
                 attn = attn.to(self.dtype)
-            x = x + layer.out(attn.transpose(1, 2).reshape(batch, num_new, q_size))
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # (B, T, I) each
-            x = x + layer.down(F.silu(gate).mul_(up))
+            return attn.transpose(1, 2).reshape(batch, num_new, q_size)
 
+        x = self._layers(self.embed[input_ids], attend)  # (B, T, C)
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return self.lm_head(x).float()  # (B, T, V')
+
+    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over hidden states x (..., C); attend(layer index, qkv (..., (H + 2 Hkv) D))
+        stores the new keys and values and returns the attention output (..., H D)."""
+        eps = self.config.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            x = x + layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
+            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # (..., I) each
+            x = x + layer.down(F.silu(gate).mul_(up))
+        return x
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, row_tokens: list[list[int]], cache: KVCache, with_logits: list[bool]
+    ) -> list[torch.Tensor | None]:
+        """One forward over rows that each bring their own number of new tokens (none, a verify pass, a prompt chunk).
+
+        row_tokens[b]: the new tokens of cache row b, placed after its committed prefix; with_logits[b]:
+        whether row b wants logits (a prompt chunk needs none, and skips the output projection). The
+        matmuls see only the real tokens, packed into one (N, C) input, no padding; attention is one
+        query at a time over exactly the slots each sees, as in `forward` for passes of up to
+        INVARIANT_ATTENTION_MAX_ROWS tokens. So in a batch-invariant model every token gets the bits it
+        gets in `forward` or `prefill` (tests/test_transformer.py). Writes keys and values, commits
+        nothing. Returns, per row, (T_b, V') float32 logits, or None where not asked for or T_b = 0.
+        """
+        c = self.config
+        if len(row_tokens) != cache.batch_size or len(with_logits) != cache.batch_size:
+            raise ValueError(f"row_tokens and with_logits need one entry per cache row ({cache.batch_size})")
+        lengths = cache.lengths.tolist()
+        counts = [len(tokens) for tokens in row_tokens]
+        end = max(length + count for length, count in zip(lengths, counts))
+        if end > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > capacity {cache.capacity}")
+        total = sum(counts)
+        if total == 0:
+            return [None] * len(row_tokens)
+        starts = list(itertools.accumulate(counts, initial=0))  # row b's tokens are [starts[b], starts[b + 1])
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (N,)
+        slots = torch.cat([torch.arange(n, dtype=torch.long) + length for length, n in zip(lengths, counts)])  # (N,)
+        self._grow_rope(end)
+        cos, sin = self._rope_cos[slots][:, None], self._rope_signed_sin[slots][:, None]  # (N, 1, D) each
+        groups = _attention_groups(counts)
+        heads, kv_heads = c.num_heads, c.num_kv_heads
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
+        qk_size = q_size + kv_size
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:  # (N, (H + 2 Hkv) D) -> (N, H D)
+            qk = apply_rotary(qkv.narrow(-1, 0, qk_size).view(total, heads + kv_heads, c.head_dim), cos, sin)
+            keys, values = cache.keys[index], cache.values[index]  # (B, Hkv, capacity, D)
+            keys[rows, :, slots] = qk.narrow(1, heads, kv_heads)  # (N, Hkv, D) into each token's slot
+            values[rows, :, slots] = qkv.narrow(-1, qk_size, kv_size).view(total, kv_heads, c.head_dim)
+            q = qk.narrow(1, 0, heads)  # (N, H, D)
+            out = torch.empty(total, heads, c.head_dim, dtype=self.dtype)  # (N, H, D)
+            for first, last in groups:  # rows [first, last): their queries padded to the longest of them
+                width = max(counts[first:last])
+                padded = q.new_zeros(last - first, width, heads, c.head_dim)  # (b, T, H, D)
+                row_keys = []
+                for b in range(first, last):
+                    padded[b - first, : counts[b]] = q[starts[b] : starts[b + 1]]
+                    # A padding query sees slot 0 only: next to nothing to compute, and its output is dropped.
+                    row_keys.append([lengths[b] + t + 1 for t in range(counts[b])] + [1] * (width - counts[b]))
+                span = max(lengths[b] + counts[b] for b in range(first, last))
+                attn = _attention_per_row(
+                    padded.transpose(1, 2), keys[first:last, :, :span], values[first:last, :, :span], row_keys
+                ).to(self.dtype)  # (b, H, T, D)
+                for b in range(first, last):
+                    out[starts[b] : starts[b + 1]] = attn[b - first, :, : counts[b]].transpose(0, 1)
+            return out.view(total, q_size)
+
+        x = self._layers(self.embed[torch.tensor([t for tokens in row_tokens for t in tokens])], attend)  # (N, C)
+        wanted = [b for b in range(len(counts)) if with_logits[b] and counts[b]]
+        results: list[torch.Tensor | None] = [None] * len(counts)
+        if wanted:
+            index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in wanted])
+            logits = self.lm_head(rms_norm(x[index], self.final_norm, c.rms_norm_eps)).float()  # (N', V')
+            for b, row_logits in zip(wanted, logits.split([counts[b] for b in wanted])):
+                results[b] = row_logits
+        return results

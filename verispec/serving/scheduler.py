@@ -38,7 +38,7 @@ from verispec.engine import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for, cut_to_grammar
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
-from verispec.policy import AdaptiveController, ControllerSettings, moving_average
+from verispec.policy import AdaptiveController, ControllerSettings, largest_fitting_chunk, moving_average
 from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
@@ -216,6 +216,10 @@ class Scheduler:
         self.limits = limits
         self.metrics = metrics
         self.chunked_prefill = chunked_prefill  # False: every waiting prompt goes in whole before the next step
+        # A batch-invariant target takes a prompt's chunks inside the decoding step's own forward (the chunk's keys
+        # get the bits of a whole prefill either way); any other gets them by forwards of their own, on boundaries.
+        self.packs_prefill = chunked_prefill and target.model.batch_invariant
+        self._packed_seconds: dict[int, float] = {}  # tokens in all -> seconds of a forward that carried a chunk
         self.controller = AdaptiveController(ControllerSettings(k_max=self.k_max))
         # Room for the verify pass's draft tokens after the longest sequence.
         capacity = limits.max_context + self.k_max + 2
@@ -398,6 +402,8 @@ class Scheduler:
             sequence = self._prefilling
             decoding = len(self.active)
             prompt = sequence.prompt_ids[:-1]
+            if decoding and self.packs_prefill and sequence.prefilled < len(prompt):
+                break  # its chunks go in with the decoding steps' own forwards (_step)
             started = time.perf_counter()
             fed = self.target.model.prefill(
                 prompt[sequence.prefilled :], self.cache.rows(decoding, decoding + 1),
@@ -572,14 +578,26 @@ class Scheduler:
         k_per_row = [max(0, min(choices[source][0], s.remaining - 1)) for s, source in zip(active, sources)]
         proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
         verifying = time.perf_counter()
-
-        # One target forward over every row's [pending, drafts...], right-padded to the longest.
         width = 1 + max(p.num_tokens for p in proposals)
-        inputs = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, 1 + k)
-        for b, (sequence, proposal) in enumerate(zip(active, proposals)):
-            inputs[b, 0] = sequence.tokens[-1]
-            inputs[b, 1 : 1 + proposal.num_tokens] = proposal.token_ids[0]
-        logits = self.target.model.forward(inputs, self.cache.rows(0, n))  # (n, 1 + k, V)
+        row_tokens = [[s.tokens[-1], *p.token_ids[0].tolist()] for s, p in zip(active, proposals)]
+        verify_tokens = sum(len(tokens) for tokens in row_tokens)
+        prefilling = self._prefilling if self.packs_prefill else None
+        chunk: list[int] = []  # prompt tokens of the row being admitted (row n), carried by this forward
+        if prefilling is not None:
+            chunk = self._packed_chunk(prefilling, verify_tokens, verifying - started)
+        if self.target.model.batch_invariant:
+            # One packed forward over every row's [pending, drafts...] and the chunk: each row as wide as it is.
+            row_logits = self.target.model.forward_packed(
+                row_tokens + ([chunk] if chunk else []), self.cache.rows(0, n + bool(chunk)), [True] * n + [False] * bool(chunk)
+            )  # (1 + k_b, V) per row
+        else:
+            # One target forward over every row's [pending, drafts...], right-padded to the longest.
+            inputs = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, 1 + k)
+            for b, tokens in enumerate(row_tokens):
+                inputs[b, : len(tokens)] = torch.tensor(tokens)
+            logits = self.target.model.forward(inputs, self.cache.rows(0, n))  # (n, 1 + k, V)
+            row_logits = [logits[b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
+            verify_tokens = n * width
 
         accepted: list[int] = []
         new_tokens: list[list[int]] = []
@@ -592,12 +610,16 @@ class Scheduler:
             history = None  # penalties: the tokens before each verified position
             if params.penalized:
                 history = TokenHistory(sequence.tokens + proposal.token_ids[0].tolist(), len(sequence.prompt_ids))
-            p = logits_to_probs(logits[b : b + 1, :used], params, allowed, history)  # (1, 1 + k_b, V)
+            p = logits_to_probs(row_logits[b][None], params, allowed, history)  # (1, 1 + k_b, V)
             result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
             accepted.append(int(result.num_accepted[0]))
             new_tokens.append(result.token_ids[0, : accepted[-1] + 1].tolist())
         self.cache.rows(0, n).commit(torch.tensor(accepted) + 1)
         finished_at = time.perf_counter()
+        forward_seconds = finished_at - verifying
+        if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
+            total = verify_tokens + len(chunk)
+            self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
 
         drafted_by_position = [0] * (width - 1)
         accepted_by_position = [0] * (width - 1)
@@ -612,24 +634,49 @@ class Scheduler:
             stats.accepted_tokens += num_accepted
             stats.target_forwards += 1
             source = proposal.source or self.drafter
-            self.controller.observe(
-                source, drafted, num_accepted, draft_seconds.get(source, 0.0), n * width, finished_at - verifying,
-                batch_size=n,
+            self.controller.observe(  # a forward that carried a chunk says nothing of what verifying costs
+                source, drafted, num_accepted, draft_seconds.get(source, 0.0), verify_tokens,
+                None if chunk else forward_seconds, batch_size=n,
             )
             sequence.tokens.extend(tokens)
             if sequence.grammar is not None:
                 sequence.grammar.advance(tokens)
             logprobs = None
             if sequence.config.logprobs is not None:  # the target's scores at each emitted token
-                logprobs = token_logprobs(logits[b], tokens, sequence.config.logprobs)
+                logprobs = token_logprobs(row_logits[b], tokens, sequence.config.logprobs)
             finish_reason = self._emit(sequence, tokens, finished_at, logprobs)
             if finish_reason is not None:
                 done.append((sequence, finish_reason))
-        self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
+        if not chunk:  # the streams' steady step, which a chunk may lengthen by its share (see _packed_chunk)
+            self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
         if self.metrics is not None:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
+        if chunk:
+            self.cache.rows(n, n + 1).commit(len(chunk))
+            prefilling.prefilled += len(chunk)
+            if prefilling.prefilled == len(prefilling.prompt_ids) - 1:  # in: it decodes from the next step (row n)
+                self._prefilling = None
+                self._begin_decoding(n, prefilling)
+                self._report_queue()
         for sequence, reason in done:
             self._retire([sequence], reason, emitted=True)
+
+    def _packed_chunk(self, sequence: _Sequence, verify_tokens: int, draft_seconds: float) -> list[int]:
+        """The prompt tokens the step's forward over `verify_tokens` tokens carries for the sequence being admitted.
+
+        The prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of a
+        steady step) in prompt tokens, by the measured cost of forwards of each size (largest_fitting_chunk);
+        until a whole prefill was timed, PACKED_FIRST_CHUNK.
+        """
+        prompt = sequence.prompt_ids[:-1]
+        most = min(len(prompt) - sequence.prefilled, PACKED_MAX_CHUNK)
+        if self._prefill_token_seconds is None:
+            return prompt[sequence.prefilled : sequence.prefilled + min(most, PACKED_FIRST_CHUNK)]
+        costs = {**self.controller.verify_cost, **self._packed_seconds}
+        share = max((1 + self.num_waiting) / len(self.active), PREFILL_MIN_SHARE)
+        steady = self._step_seconds if self._step_seconds is not None else draft_seconds + costs.get(verify_tokens, 0.0)
+        size = largest_fitting_chunk(costs, verify_tokens, share * steady, self._prefill_token_seconds, most)
+        return prompt[sequence.prefilled : sequence.prefilled + size]
 
     def _emit(
         self, sequence: _Sequence, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None
@@ -699,6 +746,8 @@ COST_SMOOTHING = 0.2  # weight of the newest step or prefill timing in the sched
 # While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
 # among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
 PREFILL_MIN_SHARE = 0.75
+PACKED_FIRST_CHUNK = 8  # prompt tokens a decoding step carries before any prefill was timed
+PACKED_MAX_CHUNK = 512  # the most prompt tokens one decoding step carries
 
 
 def prefill_budget(step_seconds: float | None, token_seconds: float | None, prompts: int, decoding: int) -> int:
