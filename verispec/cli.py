@@ -298,7 +298,6 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
                 f"lower --replicas/--max-replicas or raise --threads"
             )
         threads = total // most
-    _listen(args.host, args.port).close()  # a taken port fails now, not after Ray started
     settings = ReplicaSettings(
         target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype, quantize=args.quantize,
         draft_quantize=args.draft_quantize, k=args.k, k_max=args.k_max, max_batch_size=args.max_batch_size,
@@ -311,6 +310,7 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     autoscaling = settings.autoscaling  # raises ValueError for min > max
     scaling = (f"{autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas (autoscaled)"
                if autoscaling else f"{replicas} replicas")
+    _listen(args.host, args.port).close()  # a taken port fails now, not after Ray started
 
     def ready(url: str) -> None:
         print(f"verispec: serving {settings.served_model_name or settings.target!r} on Ray Serve, {scaling} x "
