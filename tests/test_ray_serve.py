@@ -57,13 +57,19 @@ def test_builder_sets_replicas_threads_and_batching():
     assert scaled._deployment_config.autoscaling_config.target_ongoing_requests == 8
 
 
-def test_serve_config_file_is_valid_for_serve_run():
-    """deploy/ray/serve-config.yaml: what `serve run` / `serve deploy` / KubeRay's RayService read."""
+@pytest.mark.parametrize("path", ["serve-config.yaml", "rayservice.yaml"])
+def test_serve_config_files_are_valid_for_serve_run(path):
+    """deploy/ray/serve-config.yaml (`serve run`, `serve deploy`) and the RayService's serveConfigV2 (KubeRay)."""
     import yaml
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.schema import ServeDeploySchema
 
-    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    document = yaml.safe_load((CONFIG.parent / path).read_text())
+    if document.get("kind") == "RayService":
+        env = document["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": ray_serve.PROXY_CALLBACK} in env
+        document = yaml.safe_load(document["spec"]["serveConfigV2"])
+    config = ServeDeploySchema.model_validate(document)
     (application,) = config.applications
     module, name = application.import_path.split(":")
     assert (module, name) == ("verispec.serving.ray_serve", "build_app")
@@ -153,6 +159,46 @@ def test_the_proxys_own_errors_get_the_openai_shape():
     assert error["code"] == "unavailable" and error["type"] == "server_error"
 
 
+def test_prefix_keys_follow_the_first_characters_of_the_text():
+    system = {"role": "system", "content": "You are the support assistant of a store. " * 40}
+    ask = lambda question: json.dumps({"messages": [system, {"role": "user", "content": question}]}).encode()  # noqa: E731
+    assert ray_serve.prefix_key(ask("Where is my order?")) == ray_serve.prefix_key(ask("Can I return boots?"))
+    other = {"role": "system", "content": "You are the support assistant of another store. " * 40}
+    assert ray_serve.prefix_key(json.dumps({"messages": [other]}).encode()) != ray_serve.prefix_key(ask("x"))
+    assert ray_serve.prefix_key(b'{"prompt": "def f():"}') != ray_serve.prefix_key(b'{"prompt": "def g():"}')
+    assert ray_serve.prefix_key(b"not json") is None and ray_serve.prefix_key(b'{"model": "m"}') is None
+
+
+def test_the_proxy_tags_completions_with_their_prefix_key_and_replays_the_body():
+    body = json.dumps({"prompt": "def add(a, b):", "max_tokens": 4}).encode()
+    seen = {}
+
+    async def replica(scope, receive, send):
+        seen["headers"] = dict(scope["headers"])
+        seen["body"] = b""
+        while True:
+            message = await receive()
+            seen["body"] += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    chunks = [{"type": "http.request", "body": body[:10], "more_body": True},
+              {"type": "http.request", "body": body[10:], "more_body": False}]
+
+    async def receive():
+        return chunks.pop(0)
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(ray_serve.PrefixAffinityKey(replica)(scope, receive, send))
+    assert seen["body"] == body  # the replica reads the whole body, as sent
+    assert seen["headers"][b"serve_multiplexed_model_id"] == ray_serve.prefix_key(body).encode()
+
+
 # -- `verispec serve --replicas 2`, for real ------------------------------------------------------
 
 RAY_PROCESS_MARKS = ("ray::", "/raylet", "gcs_server", "ray/dashboard", "log_monitor.py", "ray/autoscaler")
@@ -182,10 +228,12 @@ class Cluster:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         self.before = ray_processes()
         command = [
             sys.executable, "-m", "verispec.cli", "serve", "--replicas", "2", "--threads", "2", "--target", MODEL,
             "--draft", "none", "--quantize", "none", "--max-context", "2048", "--port", str(self.port),
+            "--ray-metrics-port", str(self.metrics_port), "--prefix-affinity",
         ]
         self.log = open(os.environ.get("VERISPEC_RAY_TEST_LOG", os.devnull), "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -279,6 +327,49 @@ def test_requests_spread_over_both_replicas_with_the_same_routes(cluster):
     wrong = httpx.post(f"{cluster.url}/v1/completions", json={"model": "gpt-4", "prompt": "x"}, timeout=60)
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     assert wrong.headers[REPLICA_HEADER]
+
+
+@pytest.mark.ray
+@pytest.mark.real
+def test_prefix_affinity_keeps_each_prefix_on_one_replica(cluster):
+    import httpx
+
+    def served_by(store: str, question: str) -> str:
+        system = {"role": "system", "content": f"You answer for {store}. Be brief and exact. " * 30}
+        body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": 2}
+        response = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.headers[REPLICA_HEADER]
+
+    served = {"north": [], "south": []}
+    for question in ("Hi", "Where is my order?", "Can I return it?", "Thanks"):
+        for store in served:
+            served[store].append(served_by(store, question))
+            time.sleep(0.5)  # the router learns a replica's keys through the controller
+    assert all(len(set(replicas[1:])) == 1 for replicas in served.values()), served
+    assert served["north"][-1] != served["south"][-1], served  # a new key goes to the replica with fewer keys
+
+
+@pytest.mark.ray
+@pytest.mark.real
+def test_metrics_per_replica_through_rays_metrics(cluster):
+    """The Ray node's Prometheus endpoint: each replica's verispec counters and Ray Serve's own, tagged replica."""
+    import httpx
+
+    pids = replica_pids(cluster.url)
+    deadline = time.monotonic() + 90  # replicas copy every 5 s, Ray's agent exports every ~10 s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10).text
+        ours = {replica: [line for line in text.splitlines()
+                          if line.startswith("ray_verispec_generation_tokens_total{") and replica in line]
+                for replica in pids}
+        healthy = [line for line in text.splitlines() if line.startswith("ray_serve_deployment_replica_healthy{")]
+        if all(ours.values()) and len(healthy) >= 2:
+            break
+        time.sleep(3)
+    assert all(ours.values()), f"no per-replica verispec metrics for {[r for r, v in ours.items() if not v]}"
+    assert sum(float(lines[0].rsplit(" ", 1)[1]) for lines in ours.values()) > 0  # the tokens generated above
+    assert len(healthy) >= 2
 
 
 @pytest.mark.ray

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_format_arguments(serve)
     serve.add_argument("--k", type=_k_value, default="auto", help="draft tokens per step, or 'auto' (default)")
     serve.add_argument("--k-max", type=_positive_int, default=8, help="the longest draft 'auto' considers")
+    serve.add_argument("--k-per-sequence", action=argparse.BooleanOptionalAction, default=False,
+                       help="with --k auto: each sequence drafts as long as its own acceptance pays (else one k per drafter)")
     serve.add_argument("--max-batch-size", type=_positive_int, default=defaults.max_batch_size,
                        help="sequences decoded together; later requests wait")
     serve.add_argument("--max-waiting", type=_positive_int, default=defaults.max_waiting,
@@ -137,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "local Ray instance; --threads is then per replica")
     ray.add_argument("--min-replicas", type=_non_negative_int, default=None, help="autoscale from this many replicas")
     ray.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscale up to this many replicas")
+    ray.add_argument("--ray-metrics-port", type=_port, default=None,
+                     help="the local Ray node exports Prometheus metrics here: Ray Serve's per replica and each "
+                     "replica's verispec metrics, tagged replica (default: a port Ray picks)")
+    ray.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=False,
+                     help="route requests whose first 1,000 characters agree to the same replica (its prefix cache); "
+                     "off by default: see benchmarks/ray-replicas for when it pays")
     ray.add_argument("--target-ongoing-requests", type=float, default=8.0,
                      help="autoscaling: requests in flight per replica it aims at (default 8)")
 
@@ -305,7 +313,7 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
         chunked_prefill=args.chunked_prefill, max_request_bytes=args.max_request_bytes,
         served_model_name=args.served_model_name, threads=threads, replicas=replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
+        target_ongoing_requests=args.target_ongoing_requests, prefix_affinity=args.prefix_affinity,
     )
     autoscaling = settings.autoscaling  # raises ValueError for min > max
     scaling = (f"{autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas (autoscaled)"
@@ -316,13 +324,16 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
         print(f"verispec: serving {settings.served_model_name or settings.target!r} on Ray Serve, {scaling} x "
               f"{threads} threads (drafter {settings.drafter_name}) on {url}", file=sys.stderr, flush=True)
 
-    run_replicas(settings, args.host, args.port, args.ray_address, ready)
+    if args.ray_metrics_port is not None and args.ray_address is not None:
+        raise ValueError("--ray-metrics-port is for a local Ray instance; a cluster's nodes set theirs with "
+                         "`ray start --metrics-export-port`")
+    run_replicas(settings, args.host, args.port, args.ray_address, ready, args.ray_metrics_port)
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None or args.min_replicas is not None \
-            or args.max_replicas is not None:
+            or args.max_replicas is not None or args.prefix_affinity:
         return cmd_serve_replicas(args)
     import uvicorn
 
@@ -338,7 +349,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler = start_in_model_thread(lambda: build_scheduler(
             args.target, args.draft if drafter in MODEL_DRAFTERS else None, drafter, args.dtype, args.draft_quantize,
             args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
-            chunked_prefill=args.chunked_prefill,
+            chunked_prefill=args.chunked_prefill, k_per_sequence=args.k_per_sequence,
         ), args.threads)
     except BaseException:
         sock.close()

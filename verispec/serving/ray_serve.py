@@ -69,6 +69,7 @@ class ReplicaSettings(BaseModel):
     max_replicas: int | None = Field(None, ge=1)  # autoscaling: at most this many
     target_ongoing_requests: float = Field(8.0, gt=0)  # autoscaling: requests in flight per replica it aims at
     max_ongoing_requests: int | None = Field(None, ge=1)  # sent to one replica at once (default max_batch_size)
+    prefix_affinity: bool = False  # route requests sharing their first 1,000 characters to one replica
 
     @field_validator("k", mode="before")
     @classmethod
@@ -96,16 +97,27 @@ class ReplicaSettings(BaseModel):
 
 
 class ReplicaHeader:
-    """ASGI middleware: every HTTP response carries `x-verispec-replica: <replica id>`."""
+    """ASGI middleware: every HTTP response carries `x-verispec-replica: <replica id>`.
 
-    def __init__(self, app, replica: str) -> None:
+    claim: with prefix affinity, called with the request's prefix key (Ray Serve's multiplexed model
+    id) before it is served, so the router learns that this replica holds that prefix.
+    """
+
+    def __init__(self, app, replica: str, claim: Callable[[str], Any] | None = None) -> None:
         self.app = app
         self.header = (REPLICA_HEADER.encode(), replica.encode())
+        self.claim = claim
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.claim is not None:
+            from ray import serve
+
+            key = serve.get_multiplexed_model_id()
+            if key:
+                await self.claim(key)
 
         async def send_with_header(message) -> None:
             if message["type"] == "http.response.start":
@@ -180,11 +192,120 @@ async def _send_error(send, status: int, headers: list) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+AFFINITY_HEADER = b"serve_multiplexed_model_id"  # Ray Serve routes on it (model multiplexing)
+AFFINITY_PATHS = ("/v1/completions", "/v1/chat/completions")
+AFFINITY_CHARS = 1000  # requests whose text agrees on this many first characters share a key
+AFFINITY_MAX_BODY = 1 << 20  # larger bodies get no key (the replica refuses them anyway)
+
+
+def prefix_key(body: bytes, chars: int = AFFINITY_CHARS) -> str | None:
+    """The affinity key of an OpenAI request body: a hash of its text's first `chars` characters, or None."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    if isinstance(request.get("messages"), list):
+        text = "".join(
+            f"<{m.get('role')}>{m.get('content') if isinstance(m.get('content'), str) else json.dumps(m.get('content'))}"
+            for m in request["messages"] if isinstance(m, dict)
+        )
+    elif isinstance(request.get("prompt"), str):
+        text = request["prompt"]
+    elif isinstance(request.get("prompt"), list):
+        text = json.dumps(request["prompt"][:chars])
+    else:
+        return None
+    import hashlib
+
+    return "prefix-" + hashlib.blake2b(text[:chars].encode(), digest_size=8).hexdigest()
+
+
+class PrefixAffinityKey:
+    """ASGI middleware for Ray Serve's proxy: tags each completion request with its prompt prefix's key.
+
+    The key goes in the `serve_multiplexed_model_id` header, so Ray Serve's router sends requests with
+    the same key to the replica that served it before (while that replica has room below
+    max_ongoing_requests), where the prefix cache holds its keys and values. Replicas only claim keys
+    when their settings have prefix_affinity on; otherwise the header routes nothing.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").endswith(AFFINITY_PATHS) \
+                or any(name.lower() == AFFINITY_HEADER for name, _ in scope.get("headers", [])):
+            await self.app(scope, receive, send)
+            return
+        buffered, size = [], 0
+        while True:  # the body, kept to be replayed to the replica
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > AFFINITY_MAX_BODY:
+                break
+        key = None
+        if size <= AFFINITY_MAX_BODY and buffered[-1]["type"] == "http.request":
+            key = prefix_key(b"".join(m.get("body", b"") for m in buffered))
+        if key is not None:
+            scope = {**scope, "headers": [*scope.get("headers", []), (AFFINITY_HEADER, key.encode())]}
+
+        async def replay():
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def proxy_middlewares() -> list:
     """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH's callback: the middlewares Ray Serve's proxies install."""
     from starlette.middleware import Middleware
 
-    return [Middleware(OpenAIProxyErrors)]
+    return [Middleware(OpenAIProxyErrors), Middleware(PrefixAffinityKey)]
+
+
+class RayMetricsBridge:
+    """Copies a replica's verispec metrics into Ray's metrics every `period` seconds, tagged with the replica.
+
+    Ray exports them with every node's metrics (its metrics export port, which Prometheus scrapes:
+    see deploy/ray/README.md) as `ray_<sample name>` gauges, tagged deployment, replica and
+    application beside verispec's own labels: counters and histogram buckets keep their cumulative
+    values, so rate() and histogram_quantile() work on them as on the single server's /metrics.
+    """
+
+    def __init__(self, metrics, scheduler, period: float = 5.0) -> None:
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.period = period
+        self._gauges: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="verispec-ray-metrics", daemon=True)
+        self._thread.start()
+
+    def copy(self) -> None:
+        from ray.serve.metrics import Gauge
+
+        self.metrics.set_queue(self.scheduler.num_active, self.scheduler.num_waiting)
+        for family in self.metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                gauge = self._gauges.get(sample.name)
+                if gauge is None:
+                    description = f"{family.documentation} ({family.type} sample, per replica)"
+                    gauge = Gauge(sample.name, description, tag_keys=tuple(sorted(sample.labels)))
+                    self._gauges[sample.name] = gauge
+                gauge.set(sample.value, tags=dict(sample.labels))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.copy()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class VerispecReplica:
@@ -207,6 +328,14 @@ class VerispecReplica:
         ), s.threads)
         if self.scheduler.target.format is not None:
             self.metrics.set_target(self.scheduler.target.format.as_dict())
+        self.metrics_bridge = RayMetricsBridge(self.metrics, self.scheduler)
+        self.claim_prefix = None
+        if s.prefix_affinity:  # Ray Serve's model multiplexing, with prefix keys for models: the last 64 stay
+
+            async def hold(key: str) -> str:
+                return key
+
+            self.claim_prefix = serve.multiplexed(max_num_models_per_replica=64)(hold)
 
     def __serve_build_asgi_app__(self):
         from verispec.serving.app import create_app
@@ -223,7 +352,7 @@ class VerispecReplica:
                 "waiting": self.scheduler.num_waiting,
             }
 
-        return ReplicaHeader(app, self.replica_id)
+        return ReplicaHeader(app, self.replica_id, self.claim_prefix)
 
     def check_health(self) -> None:
         """Ray Serve calls this every health_check_period_s; raising marks the replica unhealthy (restarted)."""
@@ -231,6 +360,9 @@ class VerispecReplica:
             raise RuntimeError(f"replica {self.replica_id}: the decoding loop died: {self.scheduler.failure!r}")
 
     def __del__(self) -> None:
+        bridge = getattr(self, "metrics_bridge", None)
+        if bridge is not None:
+            bridge.stop()
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.stop()
@@ -262,13 +394,14 @@ def build_app(args: ReplicaSettings):
 
 def run_replicas(
     settings: ReplicaSettings, host: str, port: int, ray_address: str | None = None,
-    ready: Callable[[str], None] | None = None,
+    ready: Callable[[str], None] | None = None, metrics_port: int | None = None,
 ) -> None:
     """Serve `settings` on Ray Serve until SIGINT or SIGTERM, then delete the app (and stop a local Ray).
 
     ray_address None starts a local Ray instance with settings.threads x replicas CPUs (stopped at the
     end); an address ("auto", "ray://host:10001", "host:6379") joins that cluster, whose nodes need
-    verispec and the models installed, and leaves it running.
+    verispec and the models installed, and leaves it running. metrics_port: where the local Ray node
+    exports its metrics (Ray's, and each replica's verispec metrics) for Prometheus; None: Ray picks one.
     """
     ray, serve = _import_serve()
     stop = threading.Event()
@@ -281,7 +414,7 @@ def run_replicas(
             autoscaling = settings.autoscaling
             most = autoscaling["max_replicas"] if autoscaling else settings.replicas
             ray.init(num_cpus=settings.threads * most, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+                     configure_logging=False, _metrics_export_port=metrics_port)
         else:
             ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
         for sig in previous:  # again: ray.init installed Ray's own SIGTERM handler, which skips the cleanup below
