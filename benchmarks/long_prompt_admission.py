@@ -20,7 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-MODES = ("chunked", "whole")
+MODES = ("chunked", "whole", "own-forwards")
+# own-forwards: chunked prefill as it was before the chunks rode in the decoding step's forward (a forward of their own).
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,9 +40,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     limits = SchedulerLimits(max_batch_size=args.streams + 1, max_context=args.long_tokens + 512, prefix_cache_bytes=0)
     draft = draft_used(args)
     scheduler = start_in_model_thread(
-        lambda: build_scheduler(args.target, draft, args.drafter, limits=limits, chunked_prefill=mode == "chunked"),
+        lambda: build_scheduler(args.target, draft, args.drafter, limits=limits, chunked_prefill=mode != "whole"),
         args.threads,
     )
+    if mode == "own-forwards":
+        scheduler.packs_prefill = False
     target = scheduler.target
     prompts = [target.apply_chat_template(p["messages"][0]["content"]) if "messages" in p else p["prompt"]
                for p in load_workload("humaneval", args.streams)]
@@ -101,18 +104,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args.mode, args)))
         return
 
+    modes = args.modes.split(",")
+    if not modes or any(mode not in MODES for mode in modes):
+        sys.exit(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
     results = []
     for round_ in range(args.rounds):
-        for mode in MODES if round_ % 2 == 0 else reversed(MODES):
+        for mode in modes if round_ % 2 == 0 else reversed(modes):
             command = [sys.executable, __file__, "--mode", mode] + [
                 f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                if name not in ("mode", "out", "rounds") and value is not None
+                if name not in ("mode", "modes", "out", "rounds") and value is not None
             ]
             run = subprocess.run(command, capture_output=True, text=True)
             if run.returncode != 0:
@@ -124,9 +131,9 @@ def main() -> None:
 
     machine = machine_description()
     median = {mode: {key: statistics.median(r[key] for r in results if r["mode"] == mode)
-                     for key in results[0] if key != "mode"} for mode in MODES}
+                     for key in results[0] if key != "mode"} for mode in modes}
     lines = [
-        f"# Admitting a {median['chunked']['long_prompt_tokens']:.0f}-token prompt while {args.streams} streams decode",
+        f"# Admitting a {median[modes[0]]['long_prompt_tokens']:.0f}-token prompt while {args.streams} streams decode",
         "",
         "    .venv/bin/python benchmarks/long_prompt_admission.py " + " ".join(sys.argv[1:]),
         "",
@@ -138,14 +145,15 @@ def main() -> None:
         "| prefill | streams' ms/token p50 steady | p95 steady | p50 during | p95 during | p95 during / steady | long prompt's TTFT s |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
+    for mode in modes:
         m = median[mode]
         lines.append(
             f"| {mode} | {1000 * m['steady_p50']:.1f} | {1000 * m['steady_p95']:.1f} | {1000 * m['during_p50']:.1f} | "
             f"{1000 * m['during_p95']:.1f} | {m['during_p95'] / m['steady_p95']:.2f}x | {m['long_ttft']:.2f} |"
         )
-    lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve --chunked-prefill`; "
-              "whole: the default (`--no-chunked-prefill`)."]
+    lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve --chunked-prefill`, "
+              "the chunks in the decoding steps' own forwards; whole: the default (`--no-chunked-prefill`); own-forwards: "
+              "chunked, each chunk a forward of its own (as before the chunks were packed; scheduler.packs_prefill off)."]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,23 @@ prefill() {  # issue 12 items 4-5: prefix reuse and chunked prefill, each agains
     .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission
 }
 
+packed_prefill() {  # issue 12 items 4 and 6: chunks inside the decoding step's forward; a k per sequence.
+    local out=${PACKED_PREFILL_OUT:-benchmarks/packed-prefill}
+    local S="--threads 2 --max-batch-size 16 --max-context 2560"
+    # A 2,000-token prompt arriving while 4 streams decode: packed chunks, whole, and chunks as forwards of their own.
+    .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission
+    # A burst of 16 requests at once (and 4): plain decoding, so that only prompt handling differs.
+    $V bench-serve \
+        --server chunked=http://127.0.0.1:8701/v1 --start "chunked=$V serve --port 8701 --drafter none --chunked-prefill $S" \
+        --server whole=http://127.0.0.1:8702/v1 --start "whole=$V serve --port 8702 --drafter none $S" \
+        --workload humaneval --limit 16 --concurrency 4,16 --requests 8,16 --max-tokens 128 --out $out/burst || true
+    # One k for all of a drafter's rows against a k per sequence, with the draft model, at 4 and 16 clients.
+    $V bench-serve \
+        --server k-per-sequence=http://127.0.0.1:8703/v1 --start "k-per-sequence=$V serve --port 8703 --k-per-sequence $S" \
+        --server k-per-drafter=http://127.0.0.1:8704/v1 --start "k-per-drafter=$V serve --port 8704 $S" \
+        --workload humaneval --limit 32 --concurrency 4,16 --requests 12,32 --max-tokens 128 --out $out/k-per-sequence || true
+}
+
 structured_output() {  # issue 12 item 1: every mode free and under each prompt's JSON schema, in one run.
     $V bench --workload benchmarks/workloads/json-extraction.jsonl --modes plain,spec,composite --k auto \
         --schema both --max-new-tokens 160 --threads 2 --out benchmarks/structured-output

@@ -174,3 +174,46 @@ def test_a_packed_chunk_fits_the_measured_costs_and_stays_below_a_jump():
     assert largest_fitting_chunk(costs, 4, 0.0, 0.004, 100) == 1  # always some progress
     assert largest_fitting_chunk({}, 4, 0.04, 0.004, 100) == 10  # nothing measured: the per-token cost alone
     assert largest_fitting_chunk({16: 0.1}, 4, 0.04, 0.004, 100) == 22  # flat below the one size known, then 4 ms a token
+
+
+def expected_batch_rate(ks, acceptance, draft_per_position, verify_cost, batch_size):
+    """Tokens per second of one step under the controller's model, written out: each row's 1 + A_1 + ... + A_k."""
+    tokens = batch_size
+    for k, rates in zip(ks, acceptance):
+        reach = 1.0
+        for i in range(k):
+            reach *= rates[i]
+            tokens += reach
+    return tokens / (draft_per_position * max(ks, default=0) + verify_cost(batch_size + sum(ks)))
+
+
+def test_rows_that_agree_more_draft_longer_and_never_worse_than_one_k_for_all():
+    from verispec.policy import AdaptiveController, ControllerSettings
+
+    controller = AdaptiveController(ControllerSettings(k_max=6))
+    verify = lambda tokens: 0.030 + 0.004 * max(tokens - 8, 0)  # flat to 8 tokens, then 4 ms a token
+    controller.verify_cost = {n: verify(n) for n in (4, 8, 16, 32)}
+    source = controller._source("draft-model")
+    source.draft_cost[4] = 0.003
+    acceptance = [[0.95] * 6, [0.9] * 6, [0.3] * 6, [0.05] * 6]
+    ks = controller.choose_row_ks(4, "draft-model", acceptance, 0, [6] * 4)
+    assert ks[0] >= ks[1] >= ks[2] >= ks[3] and ks[0] > ks[3], ks
+    assert ks[3] == 0  # a row that hardly ever agrees verifies no drafts
+    best = expected_batch_rate(ks, acceptance, 0.003, verify, 4)
+    for k in range(7):
+        assert best >= expected_batch_rate([k] * 4, acceptance, 0.003, verify, 4)
+    assert controller.choose_row_ks(4, "draft-model", acceptance, 0, [6, 0, 2, 6])[1:3] in ([0, 0], [0, 1], [0, 2])
+    assert all(k <= cap for k, cap in zip(controller.choose_row_ks(4, "draft-model", acceptance, 0, [1, 0, 2, 6]), [1, 0, 2, 6]))
+    # Rows that look alike get k alike; nothing measured yet for the source: no refinement.
+    alike = controller.choose_row_ks(4, "draft-model", [[0.8] * 6] * 4, 0, [6] * 4)
+    assert max(alike) - min(alike) <= 1
+    assert controller.choose_row_ks(4, "lookup", acceptance, 0, [6] * 4) is None
+
+
+def test_a_rows_acceptance_starts_at_its_sources_and_moves_to_its_own():
+    from verispec.policy import ROW_PRIOR_STEPS, AdaptiveController, ControllerSettings
+
+    controller = AdaptiveController(ControllerSettings(k_max=2, prior_acceptance=0.5))
+    assert controller.row_acceptance("s", [0, 0], [0, 0]) == [0.5, 0.5]
+    rates = controller.row_acceptance("s", [ROW_PRIOR_STEPS, 0], [ROW_PRIOR_STEPS, ROW_PRIOR_STEPS])
+    assert rates == [0.75, 0.25]

@@ -456,3 +456,59 @@ def test_too_many_choices_for_the_batch_or_queue_are_refused_whole(target):
     with pytest.raises(QueueFullError):
         scheduler.submit_choices(target.encode("x"), [GenerationConfig(max_new_tokens=4)] * 2)
     assert scheduler.num_waiting == 2  # the refused request queued none of its choices
+
+
+@pytest.mark.parametrize("quantize", ["none", "w4a8"])  # padded verify rows (float32), packed rows (batch-invariant)
+@pytest.mark.parametrize("drafter", ["draft-model", "composite"])
+def test_k_per_sequence_keeps_batched_greedy_equal_to_single_requests(tiny_dir, draft, drafter, quantize, monkeypatch):
+    loaded = target_in(tiny_dir, quantize)
+    lengths = [24, 7, 31, 16, 40, 1]
+    expected = [plain_tokens(loaded, p, n) for p, n in zip(PROMPTS, lengths)]
+    draft_model = loaded.model if drafter == "draft-model" else draft.model  # a self-draft agrees: rows draft long
+    scheduler = Scheduler(loaded, draft_model, drafter, k="auto", limits=SchedulerLimits(4, 8, 256), k_per_sequence=True)
+    # A drafter as costly as the target never pays here, so the source's k is forced; the rows' own k then differ
+    # (what choose_row_ks gives is tested in test_policy), and the verify pass has rows of every width.
+    monkeypatch.setattr(scheduler.controller, "choose_k", lambda *args: 3)
+    given = []
+
+    def choose_row_ks(batch_size, source, acceptance, others, caps):
+        given.append([min(cap, (3, 1, 0, 2)[r % 4]) for r, cap in enumerate(caps)])
+        return given[-1]
+
+    monkeypatch.setattr(scheduler.controller, "choose_row_ks", choose_row_ks)
+    widths = []
+    verify = scheduler.target.model.forward_packed if quantize == "w4a8" else None
+    if verify is not None:
+        monkeypatch.setattr(
+            scheduler.target.model, "forward_packed", lambda rows, *a: widths.append([len(r) for r in rows]) or verify(rows, *a)
+        )
+    events = run_all(scheduler, PROMPTS, [GenerationConfig(max_new_tokens=n) for n in lengths])
+    assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
+    assert any(len(set(ks)) > 2 for ks in given)
+    assert verify is None or any(len(set(w)) > 2 for w in widths)  # packed rows of their own widths
+    assert sum(e[-1].stats.drafted_tokens for e in events) > 0
+
+
+def target_in(tiny_dir, quantize: str):
+    return load_model(str(tiny_dir), "float32" if quantize == "none" else "bfloat16", quantize=quantize)
+
+
+def test_k_per_sequence_sampling_follows_the_target_distribution(target, draft, repeating_prompt):
+    from test_engine import exact_two_token_law, law_matches
+
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    runs = 1500
+    scheduler = Scheduler(target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(16, runs, 256),
+                          k_per_sequence=True)
+    handles = [
+        scheduler.submit(prompt_ids, GenerationConfig(max_new_tokens=2, sampling=sampling, seed=seed, eos_token_ids=()))
+        for seed in range(runs)
+    ]
+    scheduler.start()
+    try:
+        counts = Counter(tuple(t for e in h.iter_events() for t in e.token_ids) for h in handles)
+    finally:
+        scheduler.stop()
+    assert law_matches(counts, law, runs)

@@ -48,6 +48,7 @@ class ControllerSettings:
     first_k: int = 4  # k of the very first step, before anything was measured
 
 
+ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
 MIN_REACHED = 3  # a draft position reached fewer times than this borrows the acceptance of the one before
 
 
@@ -149,6 +150,53 @@ class AdaptiveController:
         self.chosen[k] += 1
         return k
 
+    def choose_row_ks(
+        self, batch_size: int, source: str, row_acceptance: list[list[float]], other_tokens: int, k_cap: list[int]
+    ) -> list[int] | None:
+        """A k for each of the rows `source` drafts for, rows that agree more drafting longer (per-sequence k).
+
+        row_acceptance[r]: row r's acceptance by position (see row_acceptance); other_tokens: what the
+        batch's other rows put in the verify pass; k_cap[r]: the most row r may draft. The step costs
+        draft_cost(batch_size) * max(k) + verify_cost(all tokens); each row is expected to gain
+        A_1 + ... + A_k over its one token. For each longest draft K, draft tokens are added in order
+        of their expected gain (a row's gains fall with depth, so each row takes a prefix) and the
+        best expected tokens per second over all these is taken; one k for all rows is among them,
+        so under this model per-row k never does worse. None of the costs measured: k for all from
+        choose_k's rule (call choose_k first; this refines a k > 0 it chose).
+        """
+        averages = self._source(source)
+        draft = _interpolate(averages.draft_cost, batch_size)
+        rows = len(row_acceptance)
+        base_tokens = other_tokens + rows
+        top = base_tokens + sum(k_cap)
+        verify = _interpolated_range(self.verify_cost, base_tokens, top)  # verify[i]: cost of base_tokens + i tokens
+        if draft is None or verify is None or not rows:
+            return None
+        gains = []  # (expected gain, row) of each draft position, deepest last within a row
+        for r, (acceptance, cap) in enumerate(zip(row_acceptance, k_cap)):
+            reach = 1.0
+            for i in range(cap):
+                reach *= acceptance[i]
+                gains.append((reach, i, r))
+        base = batch_size  # every row of the batch commits at least one token
+        best_rate, best = base / verify[0], [0] * rows
+        for longest in range(1, max(k_cap, default=0) + 1):
+            ks, extra, added = [0] * rows, 0.0, 0
+            for gain, depth, r in sorted((g for g in gains if g[1] < longest), key=lambda g: -g[0]):
+                ks[r] += 1
+                extra += gain
+                added += 1
+                rate = (base + extra) / (draft * max(ks) + verify[added])
+                if rate > best_rate:
+                    best_rate, best = rate, list(ks)
+        return best
+
+    def row_acceptance(self, source: str, hits: list[int], reached: list[int]) -> list[float]:
+        """A sequence's acceptance by position: its own hits over reached, shrunk towards the source's
+        estimate with the weight of ROW_PRIOR_STEPS steps (a new sequence is its source)."""
+        prior = self._source(source).acceptance()
+        return [(h + ROW_PRIOR_STEPS * a) / (n + ROW_PRIOR_STEPS) for h, n, a in zip(hits, reached, prior)]
+
     def _could_pay(self, averages: _Averages, batch_size: int, drafting_rows: int | None = None) -> bool:
         """Would drafting beat plain decoding here if every draft were accepted?
 
@@ -235,21 +283,8 @@ def _interpolate(table: dict[int, float], x: int) -> float | None:
     by little more than noise, and a line through them alone once priced a 120-token verify pass
     like a 16-token one.
     """
-    if x in table:
-        return table[x]
-    seen = sorted(table)
-    if not seen:
-        return None
-    if len(seen) == 1:
-        return table[seen[0]]  # a CPU forward over a few tokens costs about the same
-    if seen[0] < x < seen[-1]:
-        below = max(n for n in seen if n < x)
-        above = min(n for n in seen if n > x)
-        slope = (table[above] - table[below]) / (above - below)
-        return table[below] + slope * (x - below)
-    slope = max((table[seen[-1]] - table[seen[0]]) / (seen[-1] - seen[0]), 0.0)
-    nearest = seen[-1] if x > seen[-1] else seen[0]
-    return max(table[nearest] + slope * (x - nearest), 1e-6)
+    values = _interpolated_range(table, x, x)
+    return None if values is None else values[0]
 
 
 def largest_fitting_chunk(
@@ -279,3 +314,25 @@ def largest_fitting_chunk(
     limit = estimate(base_tokens) + extra_seconds
     fitting = [c for c in range(1, most + 1) if estimate(base_tokens + c) <= limit]
     return max(fitting, default=1)
+
+
+def _interpolated_range(table: dict[int, float], first: int, last: int) -> list[float] | None:
+    """[_interpolate(table, x) for x in first .. last], sorting the table once (None if empty)."""
+    if not table:
+        return None
+    seen = sorted(table)
+    if len(seen) == 1:
+        return [table[seen[0]]] * (last - first + 1)
+    slope = max((table[seen[-1]] - table[seen[0]]) / (seen[-1] - seen[0]), 0.0)
+    values = []
+    for x in range(first, last + 1):
+        if x in table:
+            values.append(table[x])
+        elif seen[0] < x < seen[-1]:
+            above = bisect.bisect_left(seen, x)
+            low, high = seen[above - 1], seen[above]
+            values.append(table[low] + (table[high] - table[low]) * (x - low) / (high - low))
+        else:
+            nearest = seen[-1] if x > seen[-1] else seen[0]
+            values.append(max(table[nearest] + slope * (x - nearest), 1e-6))
+    return values

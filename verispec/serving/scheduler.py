@@ -167,6 +167,8 @@ class _Sequence:
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
     prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
+    # Per-sequence k: by drafter source, how often each draft position was reached and accepted.
+    position_hits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
 
     @property
     def generated(self) -> int:
@@ -188,6 +190,7 @@ class Scheduler:
         limits: SchedulerLimits = SchedulerLimits(),
         metrics: "ServerMetrics | None" = None,
         chunked_prefill: bool = False,
+        k_per_sequence: bool = False,
     ) -> None:
         if drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
@@ -216,6 +219,8 @@ class Scheduler:
         self.limits = limits
         self.metrics = metrics
         self.chunked_prefill = chunked_prefill  # False: every waiting prompt goes in whole before the next step
+        # With k auto: each sequence its own k, by its own acceptance (AdaptiveController.choose_row_ks); else one per source.
+        self.k_per_sequence = k_per_sequence and k == "auto"
         # A batch-invariant target takes a prompt's chunks inside the decoding step's own forward (the chunk's keys
         # get the bits of a whole prefill either way); any other gets them by forwards of their own, on boundaries.
         self.packs_prefill = chunked_prefill and target.model.batch_invariant
@@ -488,6 +493,27 @@ class Scheduler:
             return int(self.k), False
         return self.controller.choose_k(batch_size, source, rows), self.controller.probing
 
+    def _k_per_sequence(
+        self, k_per_row: list[int], sources: list[str], choices: dict[str, tuple[int, bool]]
+    ) -> list[int]:
+        """Each source's k (chosen for all its rows, > 0 and not a probe) refined row by row by the rows' own acceptance."""
+        k_per_row = list(k_per_row)
+        for source, (k, probe) in choices.items():
+            rows = [b for b, s in enumerate(sources) if s == source and k_per_row[b] > 0]
+            if k == 0 or probe or not rows:
+                continue
+            acceptance = []
+            for b in rows:
+                hits, reached = self.active[b].position_hits.get(source, ([0] * self.k_max, [0] * self.k_max))
+                acceptance.append(self.controller.row_acceptance(source, hits, reached))
+            others = sum(1 + k for b, k in enumerate(k_per_row) if b not in rows)
+            caps = [min(self.k_max, self.active[b].remaining - 1) for b in rows]
+            refined = self.controller.choose_row_ks(len(self.active), source, acceptance, others, caps)
+            if refined is not None:
+                for b, row_k in zip(rows, refined):
+                    k_per_row[b] = row_k
+        return k_per_row
+
     def _draft(
         self, k_per_row: list[int], sources: list[str], probing: bool
     ) -> tuple[list[Proposal], dict[str, float]]:
@@ -576,6 +602,8 @@ class Scheduler:
         rows = collections.Counter(sources)
         choices = {source: self._choose_k(n, source, rows[source]) for source in rows}  # source -> (k, probe)
         k_per_row = [max(0, min(choices[source][0], s.remaining - 1)) for s, source in zip(active, sources)]
+        if self.k_per_sequence:
+            k_per_row = self._k_per_sequence(k_per_row, sources, choices)
         proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
         verifying = time.perf_counter()
         width = 1 + max(p.num_tokens for p in proposals)
@@ -621,6 +649,7 @@ class Scheduler:
             total = verify_tokens + len(chunk)
             self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
 
+        deepest = max((p.num_tokens for p in proposals if p.source == BatchedDraftModel.source), default=0)
         drafted_by_position = [0] * (width - 1)
         accepted_by_position = [0] * (width - 1)
         done: list[tuple[_Sequence, str]] = []
@@ -632,11 +661,18 @@ class Scheduler:
             stats = sequence.stats
             stats.drafted_tokens += drafted
             stats.accepted_tokens += num_accepted
-            stats.target_forwards += 1
             source = proposal.source or self.drafter
+            if drafted and self.k_per_sequence:
+                hits, reached = sequence.position_hits.setdefault(source, ([0] * self.k_max, [0] * self.k_max))
+                for position in range(min(drafted, num_accepted + 1, self.k_max)):
+                    reached[position] += 1
+                    hits[position] += position < num_accepted
+            stats.target_forwards += 1
+            spent = draft_seconds.get(source, 0.0)
+            if source == BatchedDraftModel.source and drafted:  # the batch drafted `deepest` positions, this row fewer
+                spent *= drafted / deepest
             self.controller.observe(  # a forward that carried a chunk says nothing of what verifying costs
-                source, drafted, num_accepted, draft_seconds.get(source, 0.0), verify_tokens,
-                None if chunk else forward_seconds, batch_size=n,
+                source, drafted, num_accepted, spent, verify_tokens, None if chunk else forward_seconds, batch_size=n,
             )
             sequence.tokens.extend(tokens)
             if sequence.grammar is not None:
@@ -812,6 +848,7 @@ def build_scheduler(
     progress: bool = False,
     quantize: str = "auto",
     chunked_prefill: bool = False,
+    k_per_sequence: bool = False,
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them."""
     from verispec.drafters import load_draft_model
@@ -832,4 +869,4 @@ def build_scheduler(
         compiler_for(target_model)
     except SchemaError:
         pass  # such requests get the reason as a 400
-    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill)
+    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence)
