@@ -204,9 +204,9 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
         SpeculativeEngine(loaded, None).generate(p, GenerationConfig(max_new_tokens=n)).token_ids
         for p, n in zip(prompts, lengths)
     ]
-    sizes = []  # (verify tokens, extra seconds) the scheduler asked a chunk size for
+    sizes = []  # verify tokens the scheduler asked a chunk size for
     monkeypatch.setattr(
-        scheduler_module, "largest_fitting_chunk", lambda costs, base, extra, per_token, most: sizes.append(base) or 7
+        scheduler_module, "largest_fitting_chunk", lambda costs, base, share, draft, per_token, most: sizes.append(base) or 7
     )
     prefills, packed = [], []  # prompt tokens fed by prefill; row widths of each packed forward
     real_prefill, real_packed = loaded.model.prefill, loaded.model.forward_packed

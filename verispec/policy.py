@@ -158,10 +158,11 @@ class AdaptiveController:
         row_acceptance[r]: row r's acceptance by position (see row_acceptance); other_tokens: what the
         batch's other rows put in the verify pass; k_cap[r]: the most row r may draft. The step costs
         draft_cost(batch_size) * max(k) + verify_cost(all tokens); each row is expected to gain
-        A_1 + ... + A_k over its one token. For each longest draft K, draft tokens are added in order
-        of their expected gain (a row's gains fall with depth, so each row takes a prefix) and the
-        best expected tokens per second over all these is taken; one k for all rows is among them,
-        so under this model per-row k never does worse. None of the costs measured: k for all from
+        A_1 + ... + A_k over its one token. Every row drafts at least one token (else its acceptance
+        would never be measured again); for each longest draft K, further draft tokens are added in
+        order of their expected gain (a row's gains fall with depth, so each row takes a prefix) and
+        the best expected tokens per second over all these is taken; one k >= 1 for all rows is among
+        them, so under this model per-row k never does worse. None of the costs measured: k for all from
         choose_k's rule (call choose_k first; this refines a k > 0 it chose).
         """
         averages = self._source(source)
@@ -172,16 +173,22 @@ class AdaptiveController:
         verify = _interpolated_range(self.verify_cost, base_tokens, top)  # verify[i]: cost of base_tokens + i tokens
         if draft is None or verify is None or not rows:
             return None
-        gains = []  # (expected gain, row) of each draft position, deepest last within a row
+        # Every row drafts at least one token: a row given none would never show that it agrees again.
+        least = [min(1, cap) for cap in k_cap]
+        gains = []  # (expected gain, depth, row) of each draft position past the first
+        base = batch_size  # every row of the batch commits at least one token, and its first draft is expected to add
         for r, (acceptance, cap) in enumerate(zip(row_acceptance, k_cap)):
             reach = 1.0
             for i in range(cap):
                 reach *= acceptance[i]
-                gains.append((reach, i, r))
-        base = batch_size  # every row of the batch commits at least one token
-        best_rate, best = base / verify[0], [0] * rows
+                if i < least[r]:
+                    base += reach
+                else:
+                    gains.append((reach, i, r))
+        first = sum(least)
+        best_rate, best = base / (draft * max(least, default=0) + verify[first]), list(least)
         for longest in range(1, max(k_cap, default=0) + 1):
-            ks, extra, added = [0] * rows, 0.0, 0
+            ks, extra, added = list(least), 0.0, first
             for gain, depth, r in sorted((g for g in gains if g[1] < longest), key=lambda g: -g[0]):
                 ks[r] += 1
                 extra += gain
@@ -288,21 +295,23 @@ def _interpolate(table: dict[int, float], x: int) -> float | None:
 
 
 def largest_fitting_chunk(
-    costs: dict[int, float], base_tokens: int, extra_seconds: float, token_seconds: float, most: int
+    costs: dict[int, float], base_tokens: int, share: float, draft_seconds: float, token_seconds: float, most: int
 ) -> int:
-    """The most prompt tokens (1 .. most) that a forward over base_tokens can carry for extra_seconds more.
+    """The most prompt tokens (1 .. most) that a decoding step over base_tokens can carry for `share` of itself more.
 
-    costs: measured seconds of forwards by their tokens in all. A forward over x tokens is estimated
-    by the line through the measured sizes around x (the flat cost of the smallest below it), and
-    beyond the largest measured size as that cost plus token_seconds per further token: where the
-    cost of a forward jumps (a kernel that takes up to 8 rows, then another), the measured sizes
-    show the jump and the chunk stays below it. At least 1, so a prompt always goes in.
+    The step costs draft_seconds and a forward over base_tokens tokens; carrying c prompt tokens, a
+    forward over base_tokens + c. costs: measured seconds of forwards by their tokens in all. A forward
+    over x tokens is estimated by the line through the measured sizes around x (the flat cost of the
+    smallest measured below it), and beyond the largest measured size as that cost plus token_seconds
+    per further token (nothing measured: token_seconds a token). Where the cost of a forward jumps (a
+    kernel that takes up to 8 rows, then another), the measured sizes show the jump and the chunk stays
+    below it. At least 1, so a prompt always goes in.
     """
     seen = sorted(costs)
-    if not seen:
-        return max(1, min(most, int(extra_seconds / token_seconds)))
 
     def estimate(x: int) -> float:
+        if not seen:
+            return x * token_seconds
         if x >= seen[-1]:
             return costs[seen[-1]] + (x - seen[-1]) * token_seconds
         if x <= seen[0]:
@@ -311,7 +320,8 @@ def largest_fitting_chunk(
         low, high = seen[above - 1], seen[above]
         return costs[low] + (costs[high] - costs[low]) * (x - low) / (high - low)
 
-    limit = estimate(base_tokens) + extra_seconds
+    step = estimate(base_tokens)
+    limit = step + share * (draft_seconds + step)
     fitting = [c for c in range(1, most + 1) if estimate(base_tokens + c) <= limit]
     return max(fitting, default=1)
 

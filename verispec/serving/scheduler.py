@@ -3,13 +3,16 @@
 One thread owns the models. Each iteration it
   1. admits waiting requests into free cache rows (after the longest prefix of each prompt whose keys and
      values the prefix cache holds; with chunked_prefill, one prompt at a time, in chunks that take the
-     prompts' share of each step while others decode) and drops cancelled ones,
-  2. asks the controller for k given the batch size and the drafter, drafts k tokens for every active
-     sequence (one batched draft forward per position, or each sequence's model-free drafter; composite:
-     each sequence's suffix index where its context recurs, the batched draft model for the rest),
-  3. verifies all drafts in ONE target forward over (n, 1 + k) tokens: ragged prefixes are
-     handled by per-row cache lengths, positions and attention masks; rows with shorter drafts
-     are padded on the right, and padding is never committed,
+     prompts' share of each step while others decode: inside the step's own forward where the target is
+     batch-invariant, else by forwards of their own) and drops cancelled ones,
+  2. asks the controller for k given the batch size and the drafter (with k_per_sequence, refined row by
+     row by each sequence's own acceptance), drafts for every active sequence (one batched draft forward
+     per position, or each sequence's model-free drafter; composite: each sequence's suffix index where
+     its context recurs, the batched draft model for the rest),
+  3. verifies all drafts in ONE target forward: ragged prefixes are handled by per-row cache lengths and
+     positions; a batch-invariant target packs each row's [pending, drafts...] as it is, beside the
+     prompt chunk (Transformer.forward_packed), any other pads rows to the longest draft (padding is
+     never committed),
   4. accepts/rejects per sequence with `verify` (its own sampling settings and generator), commits,
      streams text, and retires finished sequences, compacting rows so active ones stay at 0 .. n-1.
 
@@ -700,9 +703,9 @@ class Scheduler:
     def _packed_chunk(self, sequence: _Sequence, verify_tokens: int, draft_seconds: float) -> list[int]:
         """The prompt tokens the step's forward over `verify_tokens` tokens carries for the sequence being admitted.
 
-        The prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of a
-        steady step) in prompt tokens, by the measured cost of forwards of each size (largest_fitting_chunk);
-        until a whole prefill was timed, PACKED_FIRST_CHUNK.
+        The prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of
+        this step's drafting and its forward without the chunk) in prompt tokens, by the measured cost of
+        forwards of each size (largest_fitting_chunk); until a whole prefill was timed, PACKED_FIRST_CHUNK.
         """
         prompt = sequence.prompt_ids[:-1]
         most = min(len(prompt) - sequence.prefilled, PACKED_MAX_CHUNK)
@@ -710,8 +713,7 @@ class Scheduler:
             return prompt[sequence.prefilled : sequence.prefilled + min(most, PACKED_FIRST_CHUNK)]
         costs = {**self.controller.verify_cost, **self._packed_seconds}
         share = max((1 + self.num_waiting) / len(self.active), PREFILL_MIN_SHARE)
-        steady = self._step_seconds if self._step_seconds is not None else draft_seconds + costs.get(verify_tokens, 0.0)
-        size = largest_fitting_chunk(costs, verify_tokens, share * steady, self._prefill_token_seconds, most)
+        size = largest_fitting_chunk(costs, verify_tokens, share, draft_seconds, self._prefill_token_seconds, most)
         return prompt[sequence.prefilled : sequence.prefilled + size]
 
     def _emit(
