@@ -457,7 +457,12 @@ class Transformer:
         slots = torch.cat([torch.arange(n, dtype=torch.long) + length for length, n in zip(lengths, counts)])  # (N,)
         self._grow_rope(end)
         cos, sin = self._rope_cos[slots][:, None], self._rope_signed_sin[slots][:, None]  # (N, 1, D) each
-        groups = _attention_groups(counts)
+        groups = []  # (first row, last row, width, where each of their tokens sits in (rows * width) padded queries)
+        for first, last in _attention_groups(counts):
+            width = max(counts[first:last])
+            padded_index = torch.cat([torch.arange(counts[b]) + (b - first) * width for b in range(first, last)])
+            row_keys = [[lengths[b] + t + 1 for t in range(counts[b])] + [1] * (width - counts[b]) for b in range(first, last)]
+            groups.append((first, last, width, padded_index, row_keys))
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         qk_size = q_size + kv_size
@@ -469,20 +474,19 @@ class Transformer:
             values[rows, :, slots] = qkv.narrow(-1, qk_size, kv_size).view(total, kv_heads, c.head_dim)
             q = qk.narrow(1, 0, heads)  # (N, H, D)
             out = torch.empty(total, heads, c.head_dim, dtype=self.dtype)  # (N, H, D)
-            for first, last in groups:  # rows [first, last): their queries padded to the longest of them
-                width = max(counts[first:last])
-                padded = q.new_zeros(last - first, width, heads, c.head_dim)  # (b, T, H, D)
-                row_keys = []
-                for b in range(first, last):
-                    padded[b - first, : counts[b]] = q[starts[b] : starts[b + 1]]
-                    # A padding query sees slot 0 only: next to nothing to compute, and its output is dropped.
-                    row_keys.append([lengths[b] + t + 1 for t in range(counts[b])] + [1] * (width - counts[b]))
+            for first, last, width, padded_index, row_keys in groups:  # rows [first, last), padded to the longest
+                tokens = slice(starts[first], starts[last])
+                rows_q = q[tokens]  # (n_g, H, D)
+                if padded_index.shape[0] != (last - first) * width:  # ragged: a padding query sees slot 0 only
+                    padded = q.new_zeros((last - first) * width, heads, c.head_dim)
+                    padded[padded_index] = rows_q
+                    rows_q = padded
                 span = max(lengths[b] + counts[b] for b in range(first, last))
                 attn = _attention_per_row(
-                    padded.transpose(1, 2), keys[first:last, :, :span], values[first:last, :, :span], row_keys
+                    rows_q.view(last - first, width, heads, c.head_dim).transpose(1, 2),
+                    keys[first:last, :, :span], values[first:last, :, :span], row_keys,
                 ).to(self.dtype)  # (b, H, T, D)
-                for b in range(first, last):
-                    out[starts[b] : starts[b + 1]] = attn[b - first, :, : counts[b]].transpose(0, 1)
+                out[tokens] = attn.transpose(1, 2).reshape(-1, heads, c.head_dim)[padded_index]
             return out.view(total, q_size)
 
         x = self._layers(self.embed[torch.tensor([t for tokens in row_tokens for t in tokens])], attend)  # (N, C)
