@@ -152,10 +152,8 @@ def test_prefill_budget_gives_the_prompts_their_share_of_the_step():
     assert prefill_budget(0.001, 0.005, 1, 8) == 1  # always some progress
 
 
-def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keeps_its_output(tiny_dir, monkeypatch):
-    """A model that is not batch-invariant: the chunks are forwards of their own, on chunk boundaries."""
-    loaded = load_model(str(tiny_dir), "float32", quantize="none")
-    assert not loaded.model.batch_invariant
+def long_prompt_among_short_ones(loaded) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Two short prompts and a 300-token one, their max_new_tokens, and each one's single-request output."""
     vocab = loaded.model.vocab_size
     prompts = [token_ids(9, 20, vocab), token_ids(12, 21, vocab), token_ids(300, 22, vocab)]
     lengths = [3, 40, 10]  # the first finishes (and its row is taken back) while the long prompt goes in
@@ -163,6 +161,14 @@ def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keep
         SpeculativeEngine(loaded, None).generate(p, GenerationConfig(max_new_tokens=n)).token_ids
         for p, n in zip(prompts, lengths)
     ]
+    return prompts, lengths, expected
+
+
+def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keeps_its_output(tiny_dir, monkeypatch):
+    """A model that is not batch-invariant: the chunks are forwards of their own, on chunk boundaries."""
+    loaded = load_model(str(tiny_dir), "float32", quantize="none")
+    assert not loaded.model.batch_invariant
+    prompts, lengths, expected = long_prompt_among_short_ones(loaded)
     monkeypatch.setattr(scheduler_module, "prefill_budget", lambda *args: 7)  # a fixed share, whatever the timing
     real_prefill = loaded.model.prefill
     for chunked in (True, False):
@@ -194,16 +200,10 @@ def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keep
 
 def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_keeps_every_output(tiny_dir, monkeypatch):
     """Chunks of a long prompt ride in the streams' own verify forwards (no forward of their own), each of the size the
-    cost model gives; every request keeps its single-request output, and keys match a whole prefill's bit for bit."""
+    cost model gives; every request keeps its single-request output (the chunk's bits: the test after this one)."""
     loaded = load_model(str(tiny_dir), "bfloat16", quantize="w4a8")
     assert loaded.model.batch_invariant
-    vocab = loaded.model.vocab_size
-    prompts = [token_ids(9, 20, vocab), token_ids(12, 21, vocab), token_ids(300, 22, vocab)]
-    lengths = [3, 40, 10]  # the first finishes (and its row is taken back) while the long prompt goes in
-    expected = [
-        SpeculativeEngine(loaded, None).generate(p, GenerationConfig(max_new_tokens=n)).token_ids
-        for p, n in zip(prompts, lengths)
-    ]
+    prompts, lengths, expected = long_prompt_among_short_ones(loaded)
     sizes = []  # verify tokens the scheduler asked a chunk size for
     monkeypatch.setattr(
         scheduler_module, "largest_fitting_chunk", lambda costs, base, share, draft, per_token, most: sizes.append(base) or 7
