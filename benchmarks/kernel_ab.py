@@ -42,7 +42,7 @@ def build_base(revision: str, directory: Path) -> None:
         text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(verispec,", r"TORCH_LIBRARY\1(verispec_base,", text)
         (directory / source.name).write_text(text)
     cpp_extension.load(name="verispec_base_kernels", sources=[str(directory / s.name) for s in w4a8.SOURCES],
-                       extra_cflags=w4a8.COMPILE_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                       extra_cflags=w4a8.compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(directory),
                        is_python_module=False)
 
 

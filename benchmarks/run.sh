@@ -187,11 +187,12 @@ packed_prefill() {  # issue 12 items 4 and 6: chunks inside the decoding step's 
     local S="--threads 2 --max-batch-size 16 --max-context 2560"
     # A 2,000-token prompt arriving while 4 streams decode: packed chunks, whole, and chunks as forwards of their own.
     .venv/bin/python benchmarks/long_prompt_admission.py --out $out/admission
-    # A burst of 16 requests at once (and 4): plain decoding, so that only prompt handling differs.
+    # 16 clients x 2 requests (the shape of benchmarks/serve, whose TTFT p50 the issue starts from; the first 16
+    # arrive at once), and 4 clients: plain decoding, so that only prompt handling differs.
     $V bench-serve \
         --server chunked=http://127.0.0.1:8701/v1 --start "chunked=$V serve --port 8701 --drafter none --chunked-prefill $S" \
-        --server whole=http://127.0.0.1:8702/v1 --start "whole=$V serve --port 8702 --drafter none $S" \
-        --workload humaneval --limit 16 --concurrency 4,16 --requests 8,16 --max-tokens 128 --out $out/burst || true
+        --server whole=http://127.0.0.1:8702/v1 --start "whole=$V serve --port 8702 --drafter none --no-chunked-prefill $S" \
+        --workload humaneval --limit 32 --concurrency 4,16 --requests 16,32 --max-tokens 128 --out $out/burst || true
     # One k for all of a drafter's rows against a k per sequence, with the draft model, at 4 and 16 clients.
     $V bench-serve \
         --server k-per-sequence=http://127.0.0.1:8703/v1 --start "k-per-sequence=$V serve --port 8703 --k-per-sequence $S" \

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import FAST_FORMAT
 from verispec.bench.runner import bootstrap_ci
 from verispec.bench.workloads import load_workload
 from verispec.cli import main
@@ -109,7 +110,7 @@ def test_bench_check_pass_at_1_with_two_target_formats(tmp_path, tiny_dir, other
     code = main([
         "bench", "--target", str(tiny_dir), "--draft", str(other_tiny_dir), "--workload", str(workload),
         "--modes", "plain,spec", "--k", "3", "--max-new-tokens", "12", "--dtype", "bfloat16",
-        "--quantize", "none,w8a8", "--check", "pass@1", "--out", str(out),
+        "--quantize", f"none,{FAST_FORMAT}", "--check", "pass@1", "--out", str(out),
     ])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
@@ -117,8 +118,8 @@ def test_bench_check_pass_at_1_with_two_target_formats(tmp_path, tiny_dir, other
     assert set(by_mode) == {"plain[none]", "spec-k3[none]", f"plain[{results['target_formats'][1]['format']}]",
                             f"spec-k3[{results['target_formats'][1]['format']}]"}
     assert all(s["pass_at_1"] == 0.0 for s in by_mode.values())  # random tiny models write no working code
-    w8a8 = [s for name, s in by_mode.items() if "w8a8" in name]
-    assert w8a8[0]["tokens_per_second"] > 0 and results["baseline"] == "plain[none]"
+    fast = [s for name, s in by_mode.items() if FAST_FORMAT in name]
+    assert fast[0]["tokens_per_second"] > 0 and results["baseline"] == "plain[none]"
     assert "pass@1" in (out / "report.md").read_text()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from conftest import FAST_FORMAT
 from verispec.cli import main
 
 
@@ -72,13 +73,13 @@ def test_models_lists_the_catalog(capsys):
     assert "qwen2.5-coder-1.5b-instruct" in out and "smollm2-135m-instruct" in out
 
 
-def test_generate_reports_the_target_format_and_w8a8_speculation_is_exact(capsys, tiny_dir, other_tiny_dir):
+def test_generate_reports_the_target_format_and_fast_format_speculation_is_exact(capsys, tiny_dir, other_tiny_dir):
     common = ["--target", str(tiny_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "24",
-              "--dtype", "bfloat16", "--quantize", "w8a8"]
+              "--dtype", "bfloat16", "--quantize", FAST_FORMAT]
     plain = run_json(capsys, *common, "--draft", "none")
     spec = run_json(capsys, *common, "--draft", str(other_tiny_dir), "--k", "3")
     assert spec["token_ids"] == plain["token_ids"]
-    assert spec["target_format"]["format"].startswith("w8a8") and spec["target_format"]["batch_invariant"]
+    assert spec["target_format"]["format"].startswith(FAST_FORMAT) and spec["target_format"]["batch_invariant"]
     dense = run_json(capsys, "--target", str(tiny_dir), "--prompt", "x", "--draft", "none", "--dtype", "float32")
     assert dense["target_format"]["format"] == "none"  # auto keeps an explicit float32 exact
 

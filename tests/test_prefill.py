@@ -150,6 +150,29 @@ def test_prefill_budget_gives_the_prompts_their_share_of_the_step():
     assert prefill_budget(0.1, 0.005, 1, 1) == 20  # one prompt, one stream: as long as its step
     assert prefill_budget(0.1, 0.005, 15, 1) == 300  # a burst: the prompts' 15 shares
     assert prefill_budget(0.001, 0.005, 1, 8) == 1  # always some progress
+    # What is left of a short prompt goes in at once where that lasts 8 of the streams' steps at most.
+    assert prefill_budget(0.1, 0.005, 1, 4, 160) == 160  # 0.8 s: 8 steps
+    assert prefill_budget(0.1, 0.005, 1, 4, 161) == 15  # longer: the share of a step
+    assert prefill_budget(None, 0.005, 1, 4, 10) == PREFILL_CHUNK  # unmeasured: one chunk, however short
+
+
+def test_a_short_prompt_rides_whole_in_the_step_and_a_long_one_by_its_share(tiny_dir):
+    """Packed chunks: the rest of a prompt goes in at once where carrying it lengthens the step by 8 steps at most."""
+    loaded = load_model(str(tiny_dir), "bfloat16", quantize="w4a8")
+    scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=True)
+    # Measured on the real target: 4 tokens 50 ms, 8: 64, 12: 108 (another kernel past 8), 64: 285; 3.6 ms a prompt token.
+    scheduler.controller.verify_cost.update({4: 0.050, 8: 0.064, 12: 0.108, 64: 0.285})
+    scheduler._prefill_token_seconds = 0.0036
+    scheduler.active = [None] * 2  # two streams (only their count matters here), nobody waiting
+    vocab = loaded.model.vocab_size
+    # A step of 4 verify tokens, no drafting: 50 ms, so 8 more steps allow a 450 ms forward: 64 + 45 tokens.
+    short = scheduler._new_sequence(token_ids(106, 1, vocab), GenerationConfig(max_new_tokens=4))
+    assert len(scheduler._packed_chunk(short, 4, 0.0)) == 105
+    longer = scheduler._new_sequence(token_ids(107, 1, vocab), GenerationConfig(max_new_tokens=4))
+    # 106 tokens would take 453 ms: the share (1 / 2 streams, at least 0.75) of the step, 87.5 ms, below the jump.
+    assert len(scheduler._packed_chunk(longer, 4, 0.0)) == 6
+    longer.prefilled = 100  # its last 6 tokens fit at once
+    assert scheduler._packed_chunk(longer, 4, 0.0) == longer.prompt_ids[100:-1]
 
 
 def long_prompt_among_short_ones(loaded) -> tuple[list[list[int]], list[int], list[list[int]]]:

@@ -122,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-mb", type=_non_negative_int, default=defaults.prefix_cache_bytes >> 20,
                        help="memory for the keys and values of prompt prefixes that requests share (a system "
                        "prompt, a chat history), reused instead of prefilled again; 0 turns it off")
-    serve.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
-                       help="while others decode, a prompt goes in by chunks that take its share of each step: the "
-                       "streams keep flowing (at most 1.75x slower) but prompts go in slower and throughput drops "
-                       "on CPUs (see the README); default: every waiting prompt goes in whole before the next step")
+    serve.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="while others decode, a long prompt goes in by chunks that take its share of each step, "
+                       "so the streams keep flowing (at most 1.75x slower); --no-chunked-prefill: every waiting "
+                       "prompt goes in whole before the next step; default: on where the target is batch-invariant "
+                       "(w4a8, w8a8: the chunks ride in the decoding steps' own forwards), else off (see the README)")
     serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                        help="larger request bodies are refused with HTTP 413")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")

@@ -294,35 +294,41 @@ def _interpolate(table: dict[int, float], x: int) -> float | None:
     return None if values is None else values[0]
 
 
+def estimated_forward_seconds(costs: dict[int, float], tokens: int, token_seconds: float) -> float:
+    """Seconds of a forward over `tokens` tokens, from measured costs (seconds by tokens in all).
+
+    Between measured sizes: the line through the two around it; below the smallest: its flat cost;
+    beyond the largest: that cost plus token_seconds per further token; nothing measured: token_seconds
+    a token.
+    """
+    seen = sorted(costs)
+    if not seen:
+        return tokens * token_seconds
+    if tokens >= seen[-1]:
+        return costs[seen[-1]] + (tokens - seen[-1]) * token_seconds
+    if tokens <= seen[0]:
+        return costs[seen[0]]
+    above = bisect.bisect_left(seen, tokens)
+    low, high = seen[above - 1], seen[above]
+    return costs[low] + (costs[high] - costs[low]) * (tokens - low) / (high - low)
+
+
 def largest_fitting_chunk(
     costs: dict[int, float], base_tokens: int, share: float, draft_seconds: float, token_seconds: float, most: int
 ) -> int:
     """The most prompt tokens (1 .. most) that a decoding step over base_tokens can carry for `share` of itself more.
 
     The step costs draft_seconds and a forward over base_tokens tokens; carrying c prompt tokens, a
-    forward over base_tokens + c. costs: measured seconds of forwards by their tokens in all. A forward
-    over x tokens is estimated by the line through the measured sizes around x (the flat cost of the
-    smallest measured below it), and beyond the largest measured size as that cost plus token_seconds
-    per further token (nothing measured: token_seconds a token). Where the cost of a forward jumps (a
-    kernel that takes up to 8 rows, then another), the measured sizes show the jump and the chunk stays
-    below it. At least 1, so a prompt always goes in.
+    forward over base_tokens + c, each as estimated_forward_seconds prices it from costs (measured
+    seconds of forwards by their tokens in all). Where the cost of a forward jumps (a kernel that takes
+    up to 8 rows, then another), the measured sizes show the jump and the chunk stays below it. At
+    least 1, so a prompt always goes in.
     """
-    seen = sorted(costs)
-
-    def estimate(x: int) -> float:
-        if not seen:
-            return x * token_seconds
-        if x >= seen[-1]:
-            return costs[seen[-1]] + (x - seen[-1]) * token_seconds
-        if x <= seen[0]:
-            return costs[seen[0]]
-        above = bisect.bisect_left(seen, x)
-        low, high = seen[above - 1], seen[above]
-        return costs[low] + (costs[high] - costs[low]) * (x - low) / (high - low)
-
-    step = estimate(base_tokens)
+    step = estimated_forward_seconds(costs, base_tokens, token_seconds)
     limit = step + share * (draft_seconds + step)
-    fitting = [c for c in range(1, most + 1) if estimate(base_tokens + c) <= limit]
+    fitting = [
+        c for c in range(1, most + 1) if estimated_forward_seconds(costs, base_tokens + c, token_seconds) <= limit
+    ]
     return max(fitting, default=1)
 
 

@@ -3,12 +3,13 @@
 Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`):
   none  dense weights in the compute dtype (F.linear).
   w8a8  int8 weights (one scale per output row) times int8 activations (one scale per input row),
-        integer accumulation in oneDNN with prepacked weights. Its cost hardly grows with the number
+        integer accumulation in oneDNN with prepacked weights (only where its sums are exact: CPUs with
+        VNNI or AMX, see onednn_int8_exact). Its cost hardly grows with the number
         of rows up to 16, so a verify pass over k + 1 tokens costs what one token costs. Integer
         sums are exact and each row has its own scale, so a row's result does not depend on the
         other rows in the call: the format is batch-invariant, bit for bit.
   w4a8  int8 weights that are 4-bit codes times an integer plus an integer, per 32 inputs, times int8 activations:
-        passes of up to 8 rows read the 4-bit codes with verispec's AVX-512 VNNI kernel
+        passes of up to 8 rows read the 4-bit codes with verispec's AVX-512 VNNI (or AVX2) kernel
         (verispec.models.w4a8, built on first use), about half w8a8's bytes; longer passes run
         oneDNN on an int8 copy, or the kernel too where it is as fast (W4A8_LONG_PASSES). Same
         integers either way: batch-invariant like w8a8.
@@ -19,6 +20,7 @@ The weight-only formats keep a dense copy for prefill (many rows), so they serve
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -38,8 +40,47 @@ W4A8_LONG_PASSES = (*W8A8_ACTIVATIONS, "kernel")
 
 
 def w8a8_available() -> bool:
-    """oneDNN's quantized linear is in x86 CPU builds of torch; elsewhere w8a8 cannot run."""
+    """Whether oneDNN's int8 linear runs here (x86 CPU builds of torch) and gives exact integer sums."""
+    return onednn_int8_runs() and onednn_int8_exact()
+
+
+def onednn_int8_runs() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+W8A8_INEXACT = (
+    "oneDNN's int8 matmul is not exact on this CPU (without VNNI or AMX its 16-bit pair sums saturate)"
+)
+
+
+@functools.cache
+def onednn_int8_exact() -> bool:
+    """Whether oneDNN's int8 matmul gives the exact integer sums here, for both activation kinds.
+
+    On CPUs without VNNI or AMX (an AMD EPYC Zen 2: AVX2 only) oneDNN multiplies with vpmaddubsw, whose
+    16-bit sums of two products saturate: 127 * 127 twice is already past 32767, and full-range
+    weights came out wrong by up to 2 * 10^5. Such results would be neither accurate nor the same
+    as the w4a8 kernel's, so w8a8 is not offered there. Probed once per process on that worst case.
+    """
+    if not onednn_int8_runs():
+        return False
+    weight = torch.full((16, 64), 127, dtype=torch.int8)
+    weight[::2] = -127  # (16, 64): both signs at full range
+    x = torch.full((2, 64), 127, dtype=torch.int8)
+    x[1, ::3] = -127  # (2, 64)
+    exact = (x.long() @ weight.long().T).float()  # (2, 16)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        for q, zero_point in ((x, 0), ((x.int() + 128).to(torch.uint8), 128)):  # s8, u8 (see _onednn_int8)
+            y = torch.ops.onednn.qlinear_pointwise(
+                q, 1.0, zero_point, packed, torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
+                torch.float32, "none", [None], "",
+            )  # (2, 16)
+            if not torch.equal(y, exact):
+                return False
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,12 +136,20 @@ class Linear:
     def _quantize_w4a8(self, activations: str) -> None:
         if activations not in W4A8_LONG_PASSES:
             raise ValueError(f"w4a8 long passes {activations!r} are not one of {', '.join(W4A8_LONG_PASSES)}")
+        weight, bias = self.weight, self.bias
         if not w4a8.supports_shape(self.out_features, self.in_features):
-            # The 4-bit kernel's blocks do not tile it; int8 is as exact (u8 runs on every int8 kernel).
-            self._quantize_w8a8("u8" if activations == "kernel" else activations)
-            return
+            if onednn_int8_exact() or self.in_features % w4a8.GROUP_SIZE:
+                # The 4-bit kernel's blocks do not tile it; int8 is as exact (u8 runs on every int8 kernel).
+                self._quantize_w8a8("u8" if activations == "kernel" else activations)
+                return
+            # oneDNN's sums are not exact here: zero outputs pad the kernel's last block of columns (each
+            # output row is quantized alone, so the others are unchanged) and are cut from every result.
+            missing = -self.out_features % w4a8.COLUMNS
+            weight = torch.cat([weight, weight.new_zeros(missing, self.in_features)])
+            bias = None if bias is None else torch.cat([bias, bias.new_zeros(missing)])
         w4a8.load_kernel()
-        int8, scales, self.packed = w4a8.quantize(self.weight)  # packed: what passes of few rows read
+        int8, scales, self.packed = w4a8.quantize(weight)  # packed: what passes of few rows read
+        self.bias = bias
         if activations == "kernel":  # every pass reads the 4-bit codes: the int8 copy is not kept
             self.weight, self.scales, self.dense, self.activations = None, scales, None, activations
             self.bias = None if self.bias is None else self.bias.float()
@@ -164,7 +213,8 @@ class Linear:
         run oneDNN on the int8 weights; both quantize activations and finish (row scales, bias, dtype)
         in the same C++, so a row gets the same bits either way."""
         if flat.shape[0] <= w4a8.KERNEL_MAX_ROWS or self.activations == "kernel":
-            return torch.ops.verispec.w4a8_linear(flat, self.packed, self.scales, self.bias)
+            y = torch.ops.verispec.w4a8_linear(flat, self.packed, self.scales, self.bias)  # (N, out, padded)
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
         q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
         return torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
 
@@ -254,6 +304,19 @@ AUTO_CANDIDATES = ("w4a8", "w8a8-s8", "w8a8-u8", "none")  # what a target's `aut
 AUTO_PROBE = {"in_features": 1536, "out_features": 8960, "copies": 4}
 
 
+def auto_candidates() -> tuple[str, ...]:
+    """The AUTO_CANDIDATES that run here: w8a8 where oneDNN's sums are exact, w4a8 where its kernel builds."""
+    return tuple(
+        c for c in AUTO_CANDIDATES
+        if not (c.startswith("w8a8") and not w8a8_available()) and not (c == "w4a8" and w4a8.unavailable_reason())
+    )
+
+
+def w4a8_long_pass_kinds() -> tuple[str, ...]:
+    """The W4A8_LONG_PASSES that run here: oneDNN's only where its sums are exact."""
+    return W4A8_LONG_PASSES if w8a8_available() else ("kernel",)
+
+
 def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
     """Resolve `--quantize` for a target: "auto" times w4a8, w8a8 (both activation kinds) and dense.
 
@@ -269,16 +332,16 @@ def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
         return FormatChoice(requested)
     if requested == "auto" and dtype != torch.bfloat16:
         return FormatChoice("none")
-    if requested in ("w8a8", "w4a8") and not w8a8_available():
-        raise ValueError(f"--quantize {requested} needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
+    if requested == "w8a8" and not onednn_int8_runs():
+        raise ValueError("--quantize w8a8 needs oneDNN (an x86-64 CPU build of torch); use --quantize none")
+    if requested == "w8a8" and not onednn_int8_exact():
+        raise ValueError(f"--quantize w8a8: {W8A8_INEXACT}; use --quantize w4a8 or none")
     if requested == "w4a8":
         w4a8.load_kernel()  # raises KernelUnavailable with the reason and what to use instead
         return w4a8_choice(dtype)
-    candidates = AUTO_CANDIDATES if w8a8_available() else ("none",)
+    candidates = auto_candidates()
     if requested == "w8a8":
         candidates = tuple(c for c in candidates if c.startswith("w8a8"))
-    elif w4a8.unavailable_reason() is not None:
-        candidates = tuple(c for c in candidates if c != "w4a8")
     seconds = measure_formats(candidates, dtype, **AUTO_PROBE)
     if requested == "w8a8" and not seconds:
         raise ValueError("--quantize w8a8: oneDNN's int8 kernels do not run on this CPU; use --quantize none")
@@ -299,18 +362,19 @@ def w4a8_choice(dtype: torch.dtype, seconds: dict[str, float] | None = None) -> 
     oneDNN on an int8 copy with signed or unsigned activations (its signed path is a slow reference
     one on CPUs without AMX: 0.83 s against 0.2 ms for u8 on an AMD EPYC), or the 4-bit kernel for
     every pass, which keeps no int8 copy and wins ties: it needs ~60% of the memory. Every choice
-    computes the same integers, so the outputs are the same.
+    computes the same integers, so the outputs are the same. Where oneDNN's sums are not exact
+    (onednn_int8_exact), the kernel runs every pass.
     """
     from verispec.models.loading import remembered_choice  # (loading imports this module)
 
     def measure() -> dict:
-        candidates = tuple(f"w4a8-{kind}" for kind in reversed(W4A8_LONG_PASSES))  # the likely fastest first
+        candidates = tuple(f"w4a8-{kind}" for kind in reversed(w4a8_long_pass_kinds()))  # the likely fastest first
         timed = measure_formats(  # screened on the shortest pass oneDNN runs
             candidates, dtype, rows=(W4A8_LONG_PASS_ROWS,), copies=2, screen_rows=w4a8.KERNEL_MAX_ROWS + 1
         )
         weighed = {c: t / (KERNEL_MEMORY_PREFERENCE if c == "w4a8-kernel" else 1.0) for c, t in timed.items()}
         return {"activations": min(weighed, key=weighed.get).partition("-")[2], "seconds": timed}
 
-    kind = f"w4a8 long passes {str(dtype).removeprefix('torch.')} among {','.join(W4A8_LONG_PASSES)}"
+    kind = f"w4a8 long passes {str(dtype).removeprefix('torch.')} among {','.join(w4a8_long_pass_kinds())}"
     kept = remembered_choice(kind, measure)
     return FormatChoice("w4a8", kept["activations"], {**(seconds or {}), **kept["seconds"]})

@@ -26,7 +26,7 @@ from verispec.models.config import ModelConfig
 from verispec.models.cpu import cpu_flags
 from verispec.models import w4a8
 from verispec.models.linear import (
-    AUTO_CANDIDATES, BATCH_INVARIANT_FORMATS, W4A8_LONG_PASSES, FormatChoice, choose_format,
+    BATCH_INVARIANT_FORMATS, FormatChoice, auto_candidates, choose_format, w4a8_long_pass_kinds,
 )
 from verispec.models.transformer import Transformer
 
@@ -367,8 +367,8 @@ def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
         return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
 
     kind = (
-        f"target auto {str(dtype).removeprefix('torch.')} among {','.join(AUTO_CANDIDATES)}"
-        f"; w4a8 long passes among {','.join(W4A8_LONG_PASSES)}"
+        f"target auto {str(dtype).removeprefix('torch.')} among {','.join(auto_candidates())}"
+        f"; w4a8 long passes among {','.join(w4a8_long_pass_kinds())}"
     )
     kept = remembered_choice(kind, measure)
     return FormatChoice(kept["format"], kept["activations"], kept["seconds"])

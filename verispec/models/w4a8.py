@@ -15,7 +15,8 @@ rows run with it (batch-invariant).
 No package on PyPI gives torch an int4 x int8 CPU kernel that could agree with oneDNN bit for bit:
 torch's int4 kernel takes bfloat16 activations, its `_dyn_quant_matmul_4bit` is a scalar
 reference on x86, torchao's wheel carries no CPU kernels, onnxruntime's grows with the row count.
-So verispec builds this one (kernels/w4a8.cpp, AVX-512 VNNI) with torch.utils.cpp_extension the
+So verispec builds this one (kernels/w4a8.cpp: AVX-512 VNNI, or AVX2 on CPUs without AVX-512,
+such as an AMD EPYC Zen 2: the same integers, so the same bits) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
 verispec cache. The same extension holds the one-query-at-a-time attention kernel
 (kernels/attention.cpp) and the RMS norm (kernels/norm.cpp), see verispec.models.transformer.
@@ -42,10 +43,14 @@ COLUMNS = 16  # output columns per packed block
 KERNEL_MAX_ROWS = 8
 # One extension holds the w4a8 kernel and the attention and norm kernels (see transformer).
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp", "norm.cpp")]
-HEADERS = [Path(__file__).with_name("kernels") / "bfloat16.h"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+HEADERS = [Path(__file__).with_name("kernels") / "vec16.h"]
+# The instruction sets the kernels are built for, the first this CPU has all of: (CPU flags, compiler flags).
+INSTRUCTION_SETS = (
+    (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    (("avx2", "fma"), ["-mavx2", "-mfma"]),  # kernels/vec16.h's two-halves path
+)
 # -fopenmp: at::parallel_for then runs on torch's threads (without it, on one); no FMA contraction.
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+BASE_COMPILE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -53,7 +58,17 @@ class KernelUnavailable(RuntimeError):
 
 
 def missing_cpu_flags() -> list[str]:
-    return [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
+    """What this CPU lacks of the least of INSTRUCTION_SETS; empty where the kernels can be built here."""
+    missing = [[flag for flag in needed if flag not in cpu_flags()] for needed, _ in INSTRUCTION_SETS]
+    return [] if [] in missing else missing[-1]
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags for the best of INSTRUCTION_SETS this CPU has (the last where it has none)."""
+    for needed, flags in INSTRUCTION_SETS:
+        if all(flag in cpu_flags() for flag in needed):
+            return BASE_COMPILE_FLAGS + flags
+    return BASE_COMPILE_FLAGS + INSTRUCTION_SETS[-1][1]
 
 
 _build_failure: KernelUnavailable | None = None  # set once a build failed: not tried again in this process
@@ -74,7 +89,7 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    recipe = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join([*COMPILE_FLAGS, torch.__version__]).encode()
+    recipe = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join([*compile_flags(), torch.__version__]).encode()
     digest = hashlib.sha256(recipe).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)
@@ -121,7 +136,7 @@ def _build_and_load() -> None:
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             cpp_extension.load(
-                name="verispec_kernels", sources=[str(source) for source in SOURCES], extra_cflags=COMPILE_FLAGS,
+                name="verispec_kernels", sources=[str(source) for source in SOURCES], extra_cflags=compile_flags(),
                 extra_ldflags=["-fopenmp"], build_directory=str(_build_directory()), is_python_module=False,
                 verbose=False,
             )

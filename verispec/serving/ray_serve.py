@@ -60,7 +60,7 @@ class ReplicaSettings(BaseModel):
     max_waiting: int = Field(64, ge=1)  # per replica; beyond it the replica answers 429
     max_context: int = Field(4096, ge=1)
     prefix_cache_mb: int = Field(512, ge=0)
-    chunked_prefill: bool = False
+    chunked_prefill: bool | None = None  # None: on where the target is batch-invariant (see build_scheduler)
     max_request_bytes: int = Field(1 << 20, ge=1)
     served_model_name: str | None = None  # the model id clients send (default: target)
     threads: int = Field(1, ge=1)  # torch threads per replica; also the replica's Ray num_cpus

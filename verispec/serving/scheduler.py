@@ -3,7 +3,7 @@
 One thread owns the models. Each iteration it
   1. admits waiting requests into free cache rows (after the longest prefix of each prompt whose keys and
      values the prefix cache holds; with chunked_prefill, one prompt at a time, in chunks that take the
-     prompts' share of each step while others decode: inside the step's own forward where the target is
+     prompts' share of each step while others decode (a short one at once): inside the step's own forward where the target is
      batch-invariant, else by forwards of their own) and drops cancelled ones,
   2. asks the controller for k given the batch size and the drafter (with k_per_sequence, refined row by
      row by each sequence's own acceptance), drafts for every active sequence (one batched draft forward
@@ -41,7 +41,9 @@ from verispec.engine import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for, cut_to_grammar
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
-from verispec.policy import AdaptiveController, ControllerSettings, largest_fitting_chunk, moving_average
+from verispec.policy import (
+    AdaptiveController, ControllerSettings, estimated_forward_seconds, largest_fitting_chunk, moving_average,
+)
 from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
 from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
@@ -433,7 +435,10 @@ class Scheduler:
     def _prefill_budget(self, sequence: _Sequence) -> int:
         """Prompt tokens to feed this step while others decode: prefill_budget's, on chunk boundaries where
         the model is not batch-invariant (see Transformer.prefill)."""
-        tokens = prefill_budget(self._step_seconds, self._prefill_token_seconds, 1 + self.num_waiting, len(self.active))
+        tokens = prefill_budget(
+            self._step_seconds, self._prefill_token_seconds, 1 + self.num_waiting, len(self.active),
+            len(sequence.prompt_ids) - 1 - sequence.prefilled,
+        )
         if not self.target.model.batch_invariant:  # end on a chunk boundary
             end = -(-(sequence.prefilled + tokens) // PREFILL_CHUNK) * PREFILL_CHUNK
             tokens = end - sequence.prefilled
@@ -703,15 +708,22 @@ class Scheduler:
     def _packed_chunk(self, sequence: _Sequence, verify_tokens: int, draft_seconds: float) -> list[int]:
         """The prompt tokens the step's forward over `verify_tokens` tokens carries for the sequence being admitted.
 
-        The prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of
+        The rest of the prompt where carrying it lengthens the step by WHOLE_PROMPT_STEPS steps at most. Else
+        the prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of
         this step's drafting and its forward without the chunk) in prompt tokens, by the measured cost of
         forwards of each size (largest_fitting_chunk); until a whole prefill was timed, PACKED_FIRST_CHUNK.
         """
         prompt = sequence.prompt_ids[:-1]
-        most = min(len(prompt) - sequence.prefilled, PACKED_MAX_CHUNK)
+        left = len(prompt) - sequence.prefilled
+        most = min(left, PACKED_MAX_CHUNK)
         if self._prefill_token_seconds is None:
             return prompt[sequence.prefilled : sequence.prefilled + min(most, PACKED_FIRST_CHUNK)]
         costs = {**self.controller.verify_cost, **self._packed_seconds}
+        if most == left:  # a short prompt: at once, if that holds the streams up by WHOLE_PROMPT_STEPS steps at most
+            step = draft_seconds + estimated_forward_seconds(costs, verify_tokens, self._prefill_token_seconds)
+            carrying = draft_seconds + estimated_forward_seconds(costs, verify_tokens + left, self._prefill_token_seconds)
+            if carrying <= (1 + WHOLE_PROMPT_STEPS) * step:
+                return prompt[sequence.prefilled :]
         share = max((1 + self.num_waiting) / len(self.active), PREFILL_MIN_SHARE)
         size = largest_fitting_chunk(costs, verify_tokens, share, draft_seconds, self._prefill_token_seconds, most)
         return prompt[sequence.prefilled : sequence.prefilled + size]
@@ -784,21 +796,31 @@ COST_SMOOTHING = 0.2  # weight of the newest step or prefill timing in the sched
 # While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
 # among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
 PREFILL_MIN_SHARE = 0.75
+# A prompt whose rest goes in within this many of the streams' steps goes in at once: small chunks cost far more per
+# prompt token than a prefill (8 prompt tokens beside 4 streams lengthened the forward by 57 ms, 7 ms a token, where a
+# whole prefill takes 3.6 ms a token: Intel Xeon, w4a8), and a pause of a few steps is brief. A 2,000-token prompt
+# still goes in by chunks.
+WHOLE_PROMPT_STEPS = 8
 PACKED_FIRST_CHUNK = 8  # prompt tokens a decoding step carries before any prefill was timed
 PACKED_MAX_CHUNK = 512  # the most prompt tokens one decoding step carries
 
 
-def prefill_budget(step_seconds: float | None, token_seconds: float | None, prompts: int, decoding: int) -> int:
+def prefill_budget(
+    step_seconds: float | None, token_seconds: float | None, prompts: int, decoding: int, left: int | None = None
+) -> int:
     """Prompt tokens to feed in one step while `decoding` sequences decode and `prompts` prompts wait to go in.
 
     Requests share the model's time evenly, the waiting ones at least PREFILL_MIN_SHARE of a decoding
     step: a step's prefill lasts max(prompts / decoding, PREFILL_MIN_SHARE) decoding steps
     (step_seconds, measured) at token_seconds a prompt token (measured). So a burst of new requests
-    goes in quickly, and one long prompt slows the streams by 1.75x at most. Until both costs are
-    measured, one chunk.
+    goes in quickly, and one long prompt slows the streams by 1.75x at most. The prompt's `left`
+    tokens go in at once where that lasts WHOLE_PROMPT_STEPS steps at most: a chunk of a few tokens
+    costs the streams far more per token than a prefill does. Until both costs are measured, one chunk.
     """
     if step_seconds is None or token_seconds is None:
         return PREFILL_CHUNK
+    if left is not None and left * token_seconds <= WHOLE_PROMPT_STEPS * step_seconds:
+        return left
     share = max(prompts / decoding, PREFILL_MIN_SHARE)
     return max(1, int(step_seconds * share / token_seconds))
 
@@ -849,10 +871,14 @@ def build_scheduler(
     metrics: "ServerMetrics | None" = None,
     progress: bool = False,
     quantize: str = "auto",
-    chunked_prefill: bool = False,
+    chunked_prefill: bool | None = None,
     k_per_sequence: bool = False,
 ) -> Scheduler:
-    """Load the models named on the command line and build (not start) a scheduler over them."""
+    """Load the models named on the command line and build (not start) a scheduler over them.
+
+    chunked_prefill None: on where the target is batch-invariant (its chunks ride in the decoding steps'
+    own forwards), else off.
+    """
     from verispec.drafters import load_draft_model
     from verispec.models.loading import load_model
 
@@ -871,4 +897,6 @@ def build_scheduler(
         compiler_for(target_model)
     except SchemaError:
         pass  # such requests get the reason as a 400
+    if chunked_prefill is None:
+        chunked_prefill = target_model.model.batch_invariant
     return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence)

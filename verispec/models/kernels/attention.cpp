@@ -1,4 +1,5 @@
-// Attention for the few new tokens of a decoding or verify pass, one query at a time (AVX-512).
+// Attention for the few new tokens of a decoding or verify pass, one query at a time (AVX-512, or AVX2
+// where the CPU has no AVX-512).
 //
 // Every (row b, new token t, head h) is computed alone, over the keys 0 .. counts[b, t] - 1 of its
 // row, in slot order, with the same float operations in the same order whatever else is in the
@@ -18,7 +19,7 @@
 
 #include <immintrin.h>
 
-#include "bfloat16.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,20 +30,19 @@
 namespace {
 
 // exp(x) for x <= 0 (scores minus their max): Cephes' single-precision polynomial, 2^n by scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this exp underflows to ~0 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline vec16 exp_nonpositive(vec16 x) {
+  x = v_max(x, v_set1(-87.0f));  // below this exp underflows to ~0 anyway
+  const vec16 n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+  vec16 r = v_fnmadd(n, v_set1(0.693359375f), x);
+  r = v_fnmadd(n, v_set1(-2.12194440e-4f), r);
+  vec16 p = v_set1(1.9875691500e-4f);
+  p = v_fmadd(p, r, v_set1(1.3981999507e-3f));
+  p = v_fmadd(p, r, v_set1(8.3334519073e-3f));
+  p = v_fmadd(p, r, v_set1(4.1665795894e-2f));
+  p = v_fmadd(p, r, v_set1(1.6666665459e-1f));
+  p = v_fmadd(p, r, v_set1(5.0000001201e-1f));
+  p = v_fmadd(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
+  return v_scale_by_power_of_two(p, n);
 }
 
 constexpr int kMaxGroup = 16;  // query heads per key/value head (Qwen2.5: 6 or 7; Llama 3: 4)
@@ -61,47 +61,46 @@ void attend_group(const float* queries, int group, const kv_t* keys, const kv_t*
   float max_score[kMaxGroup];
   for (int h = 0; h < group; ++h) max_score[h] = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    __m512 key[16];
+    vec16 key[16];
     for (int c = 0; c < chunks; ++c) key[c] = load16(keys + j * stride + 16 * c);
     for (int h = 0; h < group; ++h) {
       const float* query = queries + h * dim;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
-      for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), key[c], acc);
-      const float score = _mm512_reduce_add_ps(acc) * scale;
+      vec16 acc = v_mul(v_load(query), key[0]);
+      for (int c = 1; c < chunks; ++c) acc = v_fmadd(v_load(query + 16 * c), key[c], acc);
+      const float score = v_sum(acc) * scale;
       scores[h * stride_scores + j] = score;
       max_score[h] = std::max(max_score[h], score);
     }
   }
   // exp(s - max) 16 scores at a time (the tail masked), summed in a fixed order.
-  __m512 denominator[kMaxGroup];
+  vec16 denominator[kMaxGroup];
   for (int h = 0; h < group; ++h) {
     float* row = scores + h * stride_scores;
-    __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(max_score[h]);
+    vec16 total = v_zero();
+    const vec16 shift = v_set1(max_score[h]);
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), shift));
-      _mm512_mask_storeu_ps(row + j, lanes, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+      const vec16 e = exp_nonpositive(v_sub(v_load_first(row + j, n - j), shift));
+      v_store_first(row + j, n - j, e);
+      total = v_add(total, v_keep_first(e, n - j));
     }
-    denominator[h] = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+    denominator[h] = v_set1(v_sum(total));
   }
   // Two chunks of every head's output at a time: 2 * group accumulators stay in registers.
   for (int c0 = 0; c0 < chunks; c0 += 2) {
     const int width = std::min(2, chunks - c0);
-    __m512 acc[kMaxGroup][2];
-    for (int h = 0; h < group; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+    vec16 acc[kMaxGroup][2];
+    for (int h = 0; h < group; ++h) acc[h][0] = acc[h][1] = v_zero();
     for (int64_t j = 0; j < n; ++j) {
       const kv_t* value = values + j * stride + 16 * c0;
-      const __m512 v0 = load16(value), v1 = width == 2 ? load16(value + 16) : _mm512_setzero_ps();
+      const vec16 v0 = load16(value), v1 = width == 2 ? load16(value + 16) : v_zero();
       for (int h = 0; h < group; ++h) {
-        const __m512 weight = _mm512_set1_ps(scores[h * stride_scores + j]);
-        acc[h][0] = _mm512_fmadd_ps(weight, v0, acc[h][0]);
-        acc[h][1] = _mm512_fmadd_ps(weight, v1, acc[h][1]);
+        const vec16 weight = v_set1(scores[h * stride_scores + j]);
+        acc[h][0] = v_fmadd(weight, v0, acc[h][0]);
+        acc[h][1] = v_fmadd(weight, v1, acc[h][1]);
       }
     }
     for (int h = 0; h < group; ++h) {
-      for (int c = 0; c < width; ++c) store16(out[h] + 16 * (c0 + c), _mm512_div_ps(acc[h][c], denominator[h]));
+      for (int c = 0; c < width; ++c) store16(out[h] + 16 * (c0 + c), v_div(acc[h][c], denominator[h]));
     }
   }
 }
@@ -148,7 +147,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         const int64_t b = item / (kv_heads * tokens), kv = item / tokens % kv_heads, t = item % tokens;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t query = (b * heads + kv * group + g) * tokens + t;  // q is (B, H, T, D), row-major
-          for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(queries.data() + g * dim + i, load16(q_ptr + query * dim + i));
+          for (int64_t i = 0; i < dim; i += 16) v_store(queries.data() + g * dim + i, load16(q_ptr + query * dim + i));
           outs[g] = out_ptr + query * dim;
         }
         attend_group(queries.data(), static_cast<int>(group), k_ptr + b * kc.stride(0) + kv * kc.stride(1),

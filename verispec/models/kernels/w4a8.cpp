@@ -1,4 +1,5 @@
-// w4a8 linear for short passes: 4-bit weights times int8 activations, integer dot products (AVX-512 VNNI).
+// w4a8 linear for short passes: 4-bit weights times int8 activations, integer dot products (AVX-512 VNNI,
+// or AVX2 where the CPU has no AVX-512: the same exact integers, so the same bits).
 //
 // Weights are int8 values w[n, k] = m[n, g] * q[n, k] + o[n, g] with q in -8..7 (stored as q + 8 in a
 // nibble), an integer multiplier m in 1..16 and an integer offset o per group g of 32 inputs (an
@@ -14,7 +15,8 @@
 // Packed layout, (N / 16, K / 32, 288) bytes: for each block of 16 output columns and each group
 // of 32 inputs, 256 bytes of nibbles, then the 16 columns' multipliers (uint8), then their offsets
 // (int8). Byte 64 * j + 4 * c + r holds q[c, 8 j + r] + 8 in its low nibble and q[c, 8 j + 4 + r] + 8
-// in its high nibble (c: column in the block, r: 0..3): each nibble plane is a vpdpbusd operand.
+// in its high nibble (c: column in the block, r: 0..3): each nibble plane is a vpdpbusd operand (with
+// AVX2, two vpmaddubsw operands of 8 columns each).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,7 +24,7 @@
 
 #include <immintrin.h>
 
-#include "bfloat16.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +42,11 @@ constexpr int64_t kBlockBytes = kNibbleBytes + 2 * kCols;  // nibbles, multiplie
 constexpr int kRowsPerPass = 8;  // a verify pass of up to 8 rows reads the weights once
 constexpr int64_t kPrefetchBytes = 8 * kBlockBytes;
 
+#if defined(__AVX512F__)
+
+using Totals = __m512i;  // a column block's 16 exact int32 sums for one row
+inline vec16 to_float(Totals total) { return _mm512_cvtepi32_ps(total); }
+
 // acc + u8 weights times the 4 int8 activations at p, broadcast to every lane: vpdpbusd with its
 // memory operand broadcast. GCC emits _mm512_set1_epi32 of a load as a separate vpbroadcastd, one
 // more vector op per vpdpbusd: 8-row passes ran ~15% slower that way (AMD EPYC Zen 4).
@@ -53,7 +60,7 @@ inline __m512i dot_broadcast(__m512i acc, __m512i weights, const int8_t* p) {
 // sum S as S * 2^16 + 2^15 - 8 S (see group_sums). One pointer per group: every row's operand is a
 // fixed displacement from it.
 template <int Rows>
-void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const int32_t* sums, __m512i* totals) {
+void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const int32_t* sums, Totals* totals) {
   __m512i acc[Rows];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_si512();
@@ -97,7 +104,67 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const
   for (int r = 0; r < Rows; ++r) totals[r] = acc[r];
 }
 
-using BlockFunction = void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, __m512i*);
+#else  // AVX2: each block's 16 columns as two halves of 8, one 32-byte line of nibbles each
+
+struct Totals {
+  __m256i lo, hi;  // columns 0-7, 8-15
+};
+inline vec16 to_float(Totals total) { return {_mm256_cvtepi32_ps(total.lo), _mm256_cvtepi32_ps(total.hi)}; }
+
+// The AVX-512 column_block's arithmetic without VNNI. vpmaddubsw multiplies the stored nibbles (q + 8,
+// 0..15) by the activations and adds pairs into 16 bits: |2 * 15 * 127| per pair, at most 30480 over
+// a group's 8 planes, so nothing saturates; vpmaddwd by ones then sums each column's 32 products
+// exactly (dot + 8 S), and by (m, o) adds m * dot + o * S as vpdpwssd does.
+template <int Rows>
+void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const int32_t* sums, Totals* totals) {
+  __m256i acc[2][Rows];
+  for (int half = 0; half < 2; ++half) {
+    for (int r = 0; r < Rows; ++r) acc[half][r] = _mm256_setzero_si256();
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi32(0x8000);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = packed + g * kBlockBytes;
+    for (int line = 0; line < kBlockBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kPrefetchBytes + line), _MM_HINT_T1);
+    }
+    const int8_t* xg = xq + g * Rows * kGroup;
+    const int32_t* sg = sums + g * Rows;
+    for (int half = 0; half < 2; ++half) {
+      __m256i w[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j + 32 * half));
+        w[2 * j] = _mm256_and_si256(p, low4);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+      }
+      const uint8_t* factor_bytes = block + kNibbleBytes + 8 * half;
+      const __m256i multiplier = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes)));
+      const __m256i offset = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes + kCols)));
+      const __m256i factors = _mm256_or_si256(multiplier, _mm256_slli_epi32(offset, 16));
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* x = xg + r * kGroup;
+        int32_t four;
+        std::memcpy(&four, x, 4);
+        __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(four));
+#pragma GCC unroll 8
+        for (int j = 1; j < 8; ++j) {
+          std::memcpy(&four, x + 4 * j, 4);
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(four)));
+        }
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(sg[r]));
+        acc[half][r] = _mm256_add_epi32(acc[half][r], _mm256_madd_epi16(_mm256_xor_si256(dot, flip), factors));
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) totals[r] = {acc[0][r], acc[1][r]};
+}
+
+#endif
+
+using BlockFunction = void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, Totals*);
 constexpr BlockFunction kBlockFunctions[kRowsPerPass] = {column_block<1>, column_block<2>, column_block<3>,
                                                          column_block<4>, column_block<5>, column_block<6>,
                                                          column_block<7>, column_block<8>};
@@ -124,16 +191,16 @@ struct Epilogue {
   void* out;  // (M, N) float32 or bfloat16
   int64_t n;
 
-  void store(int64_t row, int64_t column, __m512i total) const {
-    __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_loadu_ps(weight_scale + column));
+  void store(int64_t row, int64_t column, Totals total) const {
+    vec16 y = v_mul(to_float(total), v_load(weight_scale + column));
     if (row_scale != nullptr) {
-      y = _mm512_mul_ps(y, _mm512_set1_ps(row_scale[row]));
-      if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + column));
+      y = v_mul(y, v_set1(row_scale[row]));
+      if (bias != nullptr) y = v_add(y, v_load(bias + column));
     }
     if (bfloat16_out) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + row * n + column), to_bfloat16(y));
+      store16(static_cast<at::BFloat16*>(out) + row * n + column, y);
     } else {
-      _mm512_storeu_ps(static_cast<float*>(out) + row * n + column, y);
+      v_store(static_cast<float*>(out) + row * n + column, y);
     }
   }
 };
@@ -162,7 +229,7 @@ void run_kernel(const int8_t* xq, const int32_t* sums, int64_t rows, int64_t k, 
   std::vector<int32_t> sums_passes(rows * groups);
   interleave(xq, sums, rows, groups, xq_passes.data(), sums_passes.data());
   at::parallel_for(0, column_blocks, 1, [&](int64_t begin, int64_t end) {
-    __m512i totals[kRowsPerPass];
+    Totals totals[kRowsPerPass];
     for (int64_t cb = begin; cb < end; ++cb) {
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         const int64_t count = std::min<int64_t>(kRowsPerPass, rows - r0);
