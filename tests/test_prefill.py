@@ -249,7 +249,8 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
     # that finds nobody decoding any more.
     assert len(chunks) >= 30 and all(c <= 7 for c in chunks) and sum(c < 7 for c in chunks) <= 2, chunks
     assert sum(chunks) + sum(prefills) == sum(len(p) - 1 for p in prompts)
-    assert len(sizes) == len(chunks)
+    # Every chunk was sized by the cost model but a prompt's rest that fit in at once (WHOLE_PROMPT_STEPS): one a prompt.
+    assert len(sizes) <= len(chunks) <= len(sizes) + len(prompts) - 1
     ttft = [evs[-1].stats.time_to_first_token for evs in events]
     assert ttft[2] > max(ttft[:2])  # the short requests streamed while the long prompt went in
 
