@@ -1,6 +1,7 @@
 """What one target forward costs at 1, 2, 4, 8 and 16 new tokens, per weight format, side by side.
 
     .venv/bin/python benchmarks/forward_cost.py --formats none,w8a8,w4a8 --out benchmarks/forward-cost
+    .venv/bin/python benchmarks/forward_cost.py --formats none@float32,w4a8@float32,w4a8 --out ...  # FORMAT@DTYPE
 
 Formats are loaded into one process and timed in interleaved rounds (one forward per format and
 row count per round) after a 512-token prompt, so machine noise hits them alike; medians are
@@ -27,7 +28,7 @@ ROWS = (1, 2, 4, 8, 16)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--formats", default="none,w8a8,w4a8")
+    parser.add_argument("--formats", default="none,w8a8,w4a8", help="FORMAT or FORMAT@DTYPE (default bfloat16), comma-separated")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     parser.add_argument("--threads", type=int, default=2)
@@ -35,7 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    models = {f: load_model(args.target, "bfloat16", progress=True, quantize=f) for f in args.formats.split(",")}
+    models = {}
+    for name in args.formats.split(","):
+        weight_format, _, dtype = name.partition("@")
+        models[name] = load_model(args.target, dtype or "bfloat16", progress=True, quantize=weight_format)
     prompt = torch.arange(1000, 1000 + args.context)[None]  # (1, context)
     caches = {}
     for name, loaded in models.items():
@@ -63,14 +67,14 @@ def main() -> None:
     ]
     for name, loaded in models.items():
         ms = [1000 * median[(name, n)] for n in ROWS]
-        label = loaded.format.label
+        label = f"{loaded.format.label} {str(loaded.model.dtype).removeprefix('torch.')}"
         lines.append(f"| {label} | " + " | ".join(f"{m:.1f} ms" for m in ms) + f" | {ms[3] / ms[0]:.2f}x |")
     dense = list(models)[0]
     for fast in list(models)[1:]:
-        lines += ["", f"{models[fast].format.label} over {models[dense].format.label}, same row count: " + ", ".join(
+        lines += ["", f"{fast} over {dense}, same row count: " + ", ".join(
             f"{n}: {median[(dense, n)] / median[(fast, n)]:.2f}x" for n in ROWS)]
     lines += ["", "Load (read cache + quantize): " + ", ".join(
-        f"{m.format.label} {m.format.load_seconds:.1f} s" for m in models.values())]
+        f"{name} {m.format.load_seconds:.1f} s" for name, m in models.items())]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "README.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({

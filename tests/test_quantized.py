@@ -196,6 +196,17 @@ def test_auto_format_keeps_exact_dtypes_dense_and_measures_bfloat16():
         choose_format("int3", torch.bfloat16)
 
 
+def test_auto_times_the_formats_in_a_float32_that_dtype_auto_chose():
+    """A CPU without bfloat16 dot products computes in float32 by default: auto still picks the fastest format
+    there, and keeps float32 dense only when it was asked for."""
+    assert choose_format("auto", torch.float32, dtype_asked=True).weight_format == "none"
+    choice = choose_format("auto", torch.float32, dtype_asked=False)
+    timed = set(auto_candidates())
+    assert timed <= set(choice.seconds)
+    best = "w4a8" if choice.weight_format == "w4a8" else choice.label
+    assert choice.seconds[best] == min(choice.seconds[c] for c in timed)
+
+
 def test_a_kernel_this_cpu_lacks_is_left_out_and_auto_falls_back_to_dense(monkeypatch):
     def no_kernel(self, q):
         raise RuntimeError("onednn: unimplemented")  # what a CPU without the int8 kernels answers

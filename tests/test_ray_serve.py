@@ -241,19 +241,21 @@ class Cluster:
         self.log = open(os.environ.get("VERISPEC_RAY_TEST_LOG", os.devnull), "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
-    def wait_ready(self, timeout: float = 240) -> None:
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until both replicas answer through the proxy: the first one up makes /health answer 200 while the
+        second may still be loading (on a slow CPU, tens of seconds), and the router sends it nothing till then."""
         import httpx
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"verispec serve --replicas exited with {self.process.returncode}"
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200 and len(replica_pids(self.url)) == 2:
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not up yet, or an error page instead of JSON
                 pass
             time.sleep(1)
-        raise AssertionError(f"the replicas were not up within {timeout} s")
+        raise AssertionError(f"the two replicas were not both up within {timeout} s")
 
     def stop(self, timeout: float = 90) -> int:
         if self.process.poll() is None:
@@ -344,13 +346,15 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica(cluster):
         assert response.status_code == 200, response.text
         return response.headers[REPLICA_HEADER]
 
-    served = {"north": [], "south": []}
+    served = {"north": [], "south": [], "east": []}
     for question in ("Hi", "Where is my order?", "Can I return it?", "Thanks"):
         for store in served:
             served[store].append(served_by(store, question))
             time.sleep(0.5)  # the router learns a replica's keys through the controller
     assert all(len(set(replicas[1:])) == 1 for replicas in served.values()), served
-    assert served["north"][-1] != served["south"][-1], served  # a new key goes to the replica with fewer keys
+    # A new key goes to a replica with the fewest keys: whatever the earlier tests left, of three new keys at
+    # least one goes to each replica (two would tie where the replicas already held one key each).
+    assert len({replicas[-1] for replicas in served.values()}) == 2, served
 
 
 @pytest.mark.ray

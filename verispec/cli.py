@@ -209,7 +209,7 @@ def cmd_models() -> int:
         )
     Console().print(table)
     dtype = resolve_dtype("auto")
-    choice = resolve_format("auto", dtype)
+    choice = resolve_format("auto", dtype, dtype_asked=False)
     measured = ", ".join(f"{name} {1000 * seconds:.2f} ms" for name, seconds in (choice.seconds or {}).items())
     print(
         f"--quantize auto on this CPU: {choice.label} with {str(dtype).removeprefix('torch.')} activations"

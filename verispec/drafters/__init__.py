@@ -48,7 +48,7 @@ def load_draft_model(
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     draft = load_model(spec, dtype, progress)
     check_same_vocabulary(target, draft)
-    _quantize(draft, quantize, progress)
+    _quantize(draft, quantize, progress, dtype_asked=dtype != "auto")
     return DraftModelDrafter(draft.model, target.model.vocab_size)
 
 
@@ -86,9 +86,9 @@ def make_drafter(
     model = load_model(draft, dtype, progress)
     same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     if kind == "cross-tokenizer":
-        _quantize(model, quantize, progress)
+        _quantize(model, quantize, progress, dtype_asked=dtype != "auto")
         return CrossTokenizerDrafter(model, target)
-    _quantize(model, quantize, progress)
+    _quantize(model, quantize, progress, dtype_asked=dtype != "auto")
     if same_vocabulary:
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
@@ -101,12 +101,14 @@ def composite_lookup() -> SuffixIndexDrafter:
     return SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH)
 
 
-def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None:
+def _quantize(draft: LoadedModel, quantize: str, progress: bool = False, dtype_asked: bool = True) -> None:
+    """Quantize the draft as `quantize` says; "auto" times the formats in bfloat16, or in a float32 that
+    `--dtype auto` chose (a CPU without bfloat16 dot products), else keeps it dense."""
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     build_kernel(quantize, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
     activations = "s8"
-    if quantize == "w8a8" or (quantize == "auto" and draft.model.dtype == torch.bfloat16):
+    if quantize == "w8a8" or (quantize == "auto" and (draft.model.dtype == torch.bfloat16 or not dtype_asked)):
         candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()
         if quantize == "auto":
             candidates = ("int4",) + candidates + (("w4a8",) if w4a8.unavailable_reason() is None else ())
@@ -119,9 +121,14 @@ def _quantize(draft: LoadedModel, quantize: str, progress: bool = False) -> None
             return {"best": min(seconds, key=seconds.get) if seconds else None, "seconds": seconds}
 
         shape = f"4x{config.hidden_size}x{2 * config.intermediate_size}"
-        best = remembered_choice(f"draft {quantize} {shape} among {','.join(candidates)}", measure)["best"]
+        dtype = str(draft.model.dtype).removeprefix("torch.")
+        kind = f"draft {quantize} {shape}" + ("" if dtype == "bfloat16" else f" {dtype}") + f" among {','.join(candidates)}"
+        best = remembered_choice(kind, measure)["best"]
         if best is None:
-            raise ValueError("--draft-quantize w8a8: oneDNN's int8 kernels do not run here; use int4 or none")
+            raise ValueError(
+                "--draft-quantize w8a8: oneDNN's int8 kernels do not run here, or their sums are not exact (no VNNI "
+                "or AMX); use int4, w4a8 or none"
+            )
         quantize, _, activations = best.partition("-")
     elif quantize == "auto":
         quantize = "none"

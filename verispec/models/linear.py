@@ -317,11 +317,12 @@ def w4a8_long_pass_kinds() -> tuple[str, ...]:
     return W4A8_LONG_PASSES if w8a8_available() else ("kernel",)
 
 
-def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
+def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:
     """Resolve `--quantize` for a target: "auto" times w4a8, w8a8 (both activation kinds) and dense.
 
-    auto keeps dense weights for float32/float16 compute (asking for those asks for their exact
-    arithmetic). Every candidate stays within 2 points of the dense target's HumanEval pass@1
+    auto keeps dense weights for float32/float16 compute that was asked for (dtype_asked: asking for
+    those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without
+    bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the dense target's HumanEval pass@1
     (benchmarks/quantized/: w4a8 +1.2, w8a8 +1.9), so speed decides, measured on linears that do
     not fit in cache, as a model's do not. The weight-only formats are not candidates: past 4 rows
     (every verify pass) they are slower than dense. w4a8 is left out where its kernel cannot run.
@@ -330,7 +331,7 @@ def choose_format(requested: str, dtype: torch.dtype) -> FormatChoice:
         raise ValueError(f"--quantize {requested!r} is not one of auto, {', '.join(FORMATS)}")
     if requested in ("none", "int8", "int4"):
         return FormatChoice(requested)
-    if requested == "auto" and dtype != torch.bfloat16:
+    if requested == "auto" and dtype != torch.bfloat16 and dtype_asked:
         return FormatChoice("none")
     if requested == "w8a8" and not onednn_int8_runs():
         raise ValueError("--quantize w8a8 needs oneDNN (an x86-64 CPU build of torch); use --quantize none")

@@ -312,7 +312,7 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     build_kernel(quantize, progress)
-    choice = resolve_format(quantize, torch_dtype)
+    choice = resolve_format(quantize, torch_dtype, dtype_asked=dtype != "auto")
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
     config = ModelConfig.from_dir(directory)
@@ -357,13 +357,13 @@ def remembered_choice(kind: str, measure) -> dict:
     return table[key]
 
 
-def resolve_format(quantize: str, dtype: torch.dtype) -> FormatChoice:
+def resolve_format(quantize: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:
     """choose_format, with `auto`'s answer for this machine remembered (see remembered_choice)."""
-    if quantize != "auto" or dtype != torch.bfloat16:
-        return choose_format(quantize, dtype)
+    if quantize != "auto" or (dtype != torch.bfloat16 and dtype_asked):
+        return choose_format(quantize, dtype, dtype_asked)
 
     def measure() -> dict:
-        choice = choose_format("auto", dtype)
+        choice = choose_format("auto", dtype, dtype_asked)
         return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
 
     kind = (
