@@ -60,14 +60,14 @@ def main() -> None:
     lines = [
         f"# Target forward cost: {args.target}, {args.context} tokens of context, {args.threads} threads",
         "",
-        f"Machine: {machine['cpu']} ({', '.join(machine['cpu_features'])}), {machine['cores']} cores, torch {machine['torch']}. Median of {args.rounds} interleaved rounds.",
+        f"Machine: {machine['cpu']} (family/model {machine['cpu_family_model']}; {', '.join(machine['cpu_features'])}), {machine['cores']} cores, torch {machine['torch']}. Median of {args.rounds} interleaved rounds.",
         "",
         "| format | " + " | ".join(f"{n} tok" for n in ROWS) + " | 8 tok / 1 tok |",
         "|---|" + "---|" * (len(ROWS) + 1),
     ]
     for name, loaded in models.items():
         ms = [1000 * median[(name, n)] for n in ROWS]
-        label = f"{loaded.format.label} {str(loaded.model.dtype).removeprefix('torch.')}"
+        label = loaded.format.label
         lines.append(f"| {label} | " + " | ".join(f"{m:.1f} ms" for m in ms) + f" | {ms[3] / ms[0]:.2f}x |")
     dense = list(models)[0]
     for fast in list(models)[1:]:

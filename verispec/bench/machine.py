@@ -12,17 +12,22 @@ from verispec.models.cpu import cpu_flags
 
 
 # The instruction sets that decide which matrix kernels are fastest (Intel Xeons advertise AMX, AMD EPYC does not).
-MATRIX_FEATURES = ("avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+MATRIX_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 
 def machine_description() -> dict:
     """CPU model, cores, memory, bf16 support, threads and software versions."""
     cpu = platform.processor() or platform.machine()
+    family_model = {}  # "cpu family" and "model": what tells an AMD EPYC Zen 2 (23, 49) from a Zen 5 (26, 2)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key in ("cpu family", "model"):
+                family_model[key] = value
+            elif not line.strip():
+                break  # the first CPU's block is enough
     except OSError:
         pass
     memory_gib = None
@@ -36,6 +41,7 @@ def machine_description() -> dict:
 
     return {
         "cpu": cpu,
+        "cpu_family_model": f"{family_model.get('cpu family', '?')}/{family_model.get('model', '?')}",
         "cores": os.cpu_count(),
         "memory_gib": memory_gib,
         "bfloat16_dot_products": cpu_supports_bfloat16(),
