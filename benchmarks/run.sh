@@ -200,6 +200,18 @@ packed_prefill() {  # issue 12 items 4 and 6: chunks inside the decoding step's 
         --workload humaneval --limit 32 --concurrency 4,16 --requests 12,32 --max-tokens 128 --out $out/k-per-sequence || true
 }
 
+zen2() {  # an AMD EPYC Zen 2 (AVX2, no AVX-512): what each format costs there, and prompts in a burst.
+    local out=${ZEN2_OUT:-benchmarks/zen2}
+    local S="--threads 2 --max-batch-size 16 --max-context 2560"
+    .venv/bin/python benchmarks/forward_cost.py --formats none@float32,w4a8@float32,w4a8@bfloat16,none@bfloat16 \
+        --rounds 9 --out $out/forward-cost
+    # The defaults (--dtype auto: float32 here; --quantize auto), plain decoding: chunked prefill against whole.
+    $V bench-serve \
+        --server chunked=http://127.0.0.1:8711/v1 --start "chunked=$V serve --port 8711 --drafter none --chunked-prefill $S" \
+        --server whole=http://127.0.0.1:8712/v1 --start "whole=$V serve --port 8712 --drafter none --no-chunked-prefill $S" \
+        --workload humaneval --limit 32 --concurrency 4,16 --requests 16,32 --max-tokens 128 --out $out/burst || true
+}
+
 structured_output() {  # issue 12 item 1: every mode free and under each prompt's JSON schema, in one run.
     $V bench --workload benchmarks/workloads/json-extraction.jsonl --modes plain,spec,composite --k auto \
         --schema both --max-new-tokens 160 --threads 2 --out benchmarks/structured-output

@@ -39,8 +39,10 @@ def one_at_a_time(model, prefix: list[int], new: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "weight_format, activations",
-    [*(pytest.param(f, a, marks=needs_w8a8) for f, a in [("w8a8", "s8"), ("w8a8", "u8"), ("w4a8", "s8"), ("w4a8", "u8")]),
-     ("w4a8", "kernel")],
+    [
+        *(pytest.param(f, a, marks=needs_w8a8) for f in ("w8a8", "w4a8") for a in ("s8", "u8")),  # oneDNN's passes
+        ("w4a8", "kernel"),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_rows_do_not_depend_on_the_other_rows(weight_format, activations, dtype):

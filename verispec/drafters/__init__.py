@@ -122,7 +122,8 @@ def _quantize(draft: LoadedModel, quantize: str, progress: bool = False, dtype_a
 
         shape = f"4x{config.hidden_size}x{2 * config.intermediate_size}"
         dtype = str(draft.model.dtype).removeprefix("torch.")
-        kind = f"draft {quantize} {shape}" + ("" if dtype == "bfloat16" else f" {dtype}") + f" among {','.join(candidates)}"
+        shape += "" if dtype == "bfloat16" else f" {dtype}"
+        kind = f"draft {quantize} {shape} among {','.join(candidates)}"
         best = remembered_choice(kind, measure)["best"]
         if best is None:
             raise ValueError(

@@ -214,9 +214,10 @@ class Linear:
         in the same C++, so a row gets the same bits either way."""
         if flat.shape[0] <= w4a8.KERNEL_MAX_ROWS or self.activations == "kernel":
             y = torch.ops.verispec.w4a8_linear(flat, self.packed, self.scales, self.bias)  # (N, out, padded)
-            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
-        q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
-        return torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
+        else:
+            q, row_scales = torch.ops.verispec.w4a8_quantize_rows(flat, self.activations == "u8")  # (N, in), (N, 1)
+            y = torch.ops.verispec.w4a8_finish(self._onednn_int8(q), row_scales, self.bias, flat.dtype)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]  # (N, out)
 
     def _onednn_int8(self, q: torch.Tensor) -> torch.Tensor:
         """q (N, in) int8, or uint8 holding int8 + 128 -> (N, out) float32: exact integer sums times the weight scales."""
@@ -306,10 +307,13 @@ AUTO_PROBE = {"in_features": 1536, "out_features": 8960, "copies": 4}
 
 def auto_candidates() -> tuple[str, ...]:
     """The AUTO_CANDIDATES that run here: w8a8 where oneDNN's sums are exact, w4a8 where its kernel builds."""
-    return tuple(
-        c for c in AUTO_CANDIDATES
-        if not (c.startswith("w8a8") and not w8a8_available()) and not (c == "w4a8" and w4a8.unavailable_reason())
-    )
+
+    def runs_here(candidate: str) -> bool:
+        if candidate.startswith("w8a8"):
+            return w8a8_available()
+        return candidate != "w4a8" or w4a8.unavailable_reason() is None
+
+    return tuple(filter(runs_here, AUTO_CANDIDATES))
 
 
 def w4a8_long_pass_kinds() -> tuple[str, ...]:
@@ -322,9 +326,9 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
 
     auto keeps dense weights for float32/float16 compute that was asked for (dtype_asked: asking for
     those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without
-    bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the dense target's HumanEval pass@1
-    (benchmarks/quantized/: w4a8 +1.2, w8a8 +1.9), so speed decides, measured on linears that do
-    not fit in cache, as a model's do not. The weight-only formats are not candidates: past 4 rows
+    bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the
+    dense target's HumanEval pass@1 (benchmarks/quantized/: w4a8 +1.2, w8a8 +1.9), so speed
+    decides, measured on linears that do not fit in cache, as a model's do not. The weight-only formats are not candidates: past 4 rows
     (every verify pass) they are slower than dense. w4a8 is left out where its kernel cannot run.
     """
     if requested not in QUANTIZE_CHOICES:

@@ -89,7 +89,8 @@ def unavailable_reason() -> str | None:
 def _build_directory() -> Path:
     from verispec.models.loading import cache_root
 
-    recipe = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join([*compile_flags(), torch.__version__]).encode()
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
+    recipe = sources + " ".join([*compile_flags(), torch.__version__]).encode()
     digest = hashlib.sha256(recipe).hexdigest()[:12]
     path = cache_root() / "kernels" / f"w4a8-{digest}"
     path.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-// RMS norm of every row, in one call (AVX-512, or AVX2 where the CPU has no AVX-512): what torch.rms_norm plus the weight multiply do in
-// about six aten calls (~40 us a call for one 1536-wide bfloat16 row on an AMD EPYC Zen 4, against
-// ~4 us here, dispatch included).
+// RMS norm of every row, in one call (AVX-512, or AVX2 where the CPU has no AVX-512): what
+// torch.rms_norm plus the weight multiply do in about six aten calls (~40 us a call for one 1536-wide
+// bfloat16 row on an AMD EPYC Zen 4, against ~4 us here, dispatch included).
 //
 //   out = weight * dtype(x32 * (1 / sqrt(mean(x32^2) + eps))),  x32 = x in float32
 //

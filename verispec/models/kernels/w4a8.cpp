@@ -139,9 +139,11 @@ void column_block(const uint8_t* packed, int64_t groups, const int8_t* xq, const
         w[2 * j] = _mm256_and_si256(p, low4);
         w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
       }
-      const uint8_t* factor_bytes = block + kNibbleBytes + 8 * half;
-      const __m256i multiplier = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes)));
-      const __m256i offset = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes + kCols)));
+      const uint8_t* factor_bytes = block + kNibbleBytes + 8 * half;  // this half's 8 multipliers; offsets 16 on
+      const __m128i multipliers = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes));
+      const __m128i offsets = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factor_bytes + kCols));
+      const __m256i multiplier = _mm256_cvtepu8_epi32(multipliers);
+      const __m256i offset = _mm256_cvtepi8_epi32(offsets);
       const __m256i factors = _mm256_or_si256(multiplier, _mm256_slli_epi32(offset, 16));
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
