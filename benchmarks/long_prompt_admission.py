@@ -137,7 +137,8 @@ def main() -> None:
         "",
         "    .venv/bin/python benchmarks/long_prompt_admission.py " + " ".join(sys.argv[1:]),
         "",
-        f"Machine: {machine['cpu']} ({', '.join(machine['cpu_features'])}), {machine['cores']} cores, "
+        f"Machine: {machine['cpu']} (family/model {machine['cpu_family_model']}; {', '.join(machine['cpu_features'])}), "
+        f"{machine['cores']} cores, "
         f"{args.threads} threads. {args.target}, drafter {args.drafter}"
         f"{'' if draft_used(args) is None else ' (' + args.draft + ')'}, greedy, `--k auto`; medians of {args.rounds} "
         "runs per mode, modes alternating, each in a fresh process.",
@@ -152,7 +153,8 @@ def main() -> None:
             f"{1000 * m['during_p95']:.1f} | {m['during_p95'] / m['steady_p95']:.2f}x | {m['long_ttft']:.2f} |"
         )
     lines += ["", "\"during\": from the long prompt's arrival to its first token. chunked: `verispec serve --chunked-prefill`, "
-              "the chunks in the decoding steps' own forwards; whole: the default (`--no-chunked-prefill`); own-forwards: "
+              "the chunks in the decoding steps' own forwards; whole: `--no-chunked-prefill` (the default before "
+              "chunked prefill was on for batch-invariant targets); own-forwards: "
               "chunked, each chunk a forward of its own (as before the chunks were packed; scheduler.packs_prefill off)."]
     print("\n".join(lines))
     if args.out:
