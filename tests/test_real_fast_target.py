@@ -11,15 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FAST_FORMATS
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.bench.workloads import chat, humaneval
-from verispec.models import w4a8
-from verispec.models.linear import w8a8_available
 from verispec.models.loading import resolve_format
 
-# The batch-invariant formats that run here: w4a8 where its kernel builds (AVX-512 VNNI or AVX2), w8a8 where
-# oneDNN's int8 sums are exact (VNNI or AMX).
-FAST_FORMATS = [f for f, runs in [("w4a8", w4a8.unavailable_reason() is None), ("w8a8", w8a8_available())] if runs]
 pytestmark = [
     pytest.mark.real,
     pytest.mark.skipif(not FAST_FORMATS, reason="no batch-invariant format runs on this CPU"),

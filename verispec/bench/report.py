@@ -74,7 +74,8 @@ def markdown(meta: dict, summaries: list[dict], results: list[PromptRuns], plots
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"Machine: {machine['cpu']} (family/model {machine.get('cpu_family_model', '?')}, {machine.get('cores')} cores, {machine.get('memory_gib')} GiB, "
+        f"Machine: {machine['cpu']} (family/model {machine.get('cpu_family_model', '?')}, "
+        f"{machine.get('cores')} cores, {machine.get('memory_gib')} GiB, "
         f"AVX-512 BF16: {machine.get('bfloat16_dot_products')}), {machine['threads']} threads, torch {machine['torch']}, "
         f"Python {machine['python']}, peak RSS {machine.get('peak_rss_gib', 0):.1f} GiB.",
         f"Target `{meta['target']}` as {', '.join(f['format'] for f in meta.get('target_formats', []))}, "

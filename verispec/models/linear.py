@@ -71,16 +71,24 @@ def onednn_int8_exact() -> bool:
     exact = (x.long() @ weight.long().T).float()  # (2, 16)
     try:
         packed = torch.ops.onednn.qlinear_prepack(weight, None)
-        for q, zero_point in ((x, 0), ((x.int() + 128).to(torch.uint8), 128)):  # s8, u8 (see _onednn_int8)
-            y = torch.ops.onednn.qlinear_pointwise(
-                q, 1.0, zero_point, packed, torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
-                torch.float32, "none", [None], "",
-            )  # (2, 16)
-            if not torch.equal(y, exact):
+        scales, zero_points = torch.ones(16), torch.zeros(16, dtype=torch.int64)
+        for q in (x, (x.int() + 128).to(torch.uint8)):  # s8, u8
+            if not torch.equal(onednn_int8_matmul(q, packed, scales, zero_points), exact):
                 return False
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def onednn_int8_matmul(
+    q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
+    """q (N, in) int8, or uint8 holding int8 + 128, times prepacked int8 weights (out, in) -> (N, out)
+    float32: the integer sums times scales (out,); zero_points (out,) are the weights' (zeros)."""
+    return torch.ops.onednn.qlinear_pointwise(
+        q, 1.0, 128 if q.dtype == torch.uint8 else 0, packed, scales, zero_points, None, 1.0, 0, torch.float32,
+        "none", [None], "",
+    )
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,11 +232,7 @@ class Linear:
         single = q.shape[0] == 1
         if single:  # oneDNN's one-row kernel is ~2x slower than its two-row one; rows never mix
             q = q.expand(2, -1)  # (2, in)
-        zero_point = 128 if q.dtype == torch.uint8 else 0
-        y = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, zero_point, self.weight, self.scales, self._zero_points, None, 1.0, 0, torch.float32,
-            "none", [None], "",
-        )  # (N, out)
+        y = onednn_int8_matmul(q, self.weight, self.scales, self._zero_points)  # (N, out)
         return y[:1] if single else y
 
 
@@ -328,8 +332,9 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
     those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without
     bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the
     dense target's HumanEval pass@1 (benchmarks/quantized/: w4a8 +1.2, w8a8 +1.9), so speed
-    decides, measured on linears that do not fit in cache, as a model's do not. The weight-only formats are not candidates: past 4 rows
-    (every verify pass) they are slower than dense. w4a8 is left out where its kernel cannot run.
+    decides, measured on linears that do not fit in cache, as a model's do not. The weight-only
+    formats are not candidates: past 4 rows (every verify pass) they are slower than dense. w4a8 is
+    left out where its kernel cannot run.
     """
     if requested not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {requested!r} is not one of auto, {', '.join(FORMATS)}")
