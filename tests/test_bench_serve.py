@@ -1,4 +1,5 @@
-"""bench-serve against servers that misbehave the way peers do: no request may be lost to connection handling."""
+"""bench-serve against servers that misbehave the way peers do: no request may be lost to connection handling,
+and no failed request may pass for a short answer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from verispec.bench.serve_load import _one_request
+from verispec.bench.serve_load import _one_request, run_level
 from verispec.cli import main
 
 STUB = Path(__file__).with_name("stub_openai_server.py")
@@ -110,6 +111,8 @@ def test_bench_serve_starts_servers_per_turn_counts_errors_and_skips_what_cannot
         assert summary["requests"] == 5 * summary["concurrency"]
         assert summary["errors_by_type"] == {"HTTP 500": summary["concurrency"],
                                              "RemoteProtocolError": summary["concurrency"]}
+        assert summary["finish_reasons"] == {"stop": served}
+        assert sorted(str(q["finish_reason"]) for q in raw["requests"] if q["error"] is None) == ["stop"] * served
         assert summary["startup_seconds"] > 0
         # the stub's own counters over the turn: the measured requests only (the warm-up is excluded);
         # each served prompt of n words: one verify step, n drafted, n - 1 accepted
@@ -120,9 +123,68 @@ def test_bench_serve_starts_servers_per_turn_counts_errors_and_skips_what_cannot
         assert summary["tokens_per_target_forward"] == pytest.approx(7 / 3)  # tokens / (tokens - accepted)
     report = (out / "report.md").read_text()
     assert "- nope: exited with code 3 before serving: peer: skipped: no AVX-512 here" in report
-    assert "| stub | 2 |" in report and "(2 HTTP 500) (2 RemoteProtocolError)" in report
+    assert "| stub | 2 |" in report and "| 6 stop | 4 (2 HTTP 500) (2 RemoteProtocolError) |" in report
     assert port_is_free(port)  # the started server is stopped after its turn
 
 
 def test_start_must_name_a_server(tmp_path):
     assert main(["bench-serve", "--server", "a=http://127.0.0.1:1/v1", "--start", "b=true", "--out", str(tmp_path)]) == 2
+
+
+def one_request(url: str, prompt: str, max_tokens: int = 8):
+    async def scenario():
+        async with httpx.AsyncClient() as client:
+            return await _one_request(client, url + "/v1", "stub", {"id": prompt, "prompt": prompt}, max_tokens, 0.0,
+                                      time.perf_counter())
+
+    return asyncio.run(scenario())
+
+
+def test_a_normal_stream_records_its_finish_reason(stub_url):
+    stopped = one_request(stub_url, "one two", max_tokens=8)
+    assert stopped.error is None, stopped.error
+    assert stopped.finish_reason == "stop" and stopped.text == " one two" and stopped.completion_tokens == 2
+    cut_short = one_request(stub_url, "a b c d e", max_tokens=3)
+    assert cut_short.error is None, cut_short.error
+    assert cut_short.finish_reason == "length" and cut_short.text == " a b c" and cut_short.completion_tokens == 3
+
+
+def test_an_error_event_mid_stream_is_an_error_not_a_short_answer(stub_url):
+    record = one_request(stub_url, "error-event")
+    assert record.text == " partial"  # a first token did arrive, as in a short answer
+    assert record.error_type == "error event"
+    assert record.error == "error event: generation failed"  # verispec's message
+    assert record.finish_reason is None and record.retries == 0  # a response came: not sent again
+
+
+def test_a_stream_closed_without_done_is_an_error(stub_url):
+    record = one_request(stub_url, "no-done")
+    assert record.finish_reason == "stop" and record.text == " no-done"  # all else looked complete
+    assert record.error_type == "no [DONE]" and record.retries == 0
+
+
+def test_a_stream_without_any_finish_reason_is_an_error(stub_url):
+    record = one_request(stub_url, "no-finish")
+    assert record.text == " partial" and record.completion_tokens == 1
+    assert record.error_type == "no finish_reason" and record.finish_reason is None
+
+
+def test_a_non_streamed_answer_needs_a_finish_reason_too(stub_url):
+    whole = one_request(stub_url, "whole")
+    assert whole.error is None and whole.finish_reason == "stop" and whole.text == " whole answer"
+    assert whole.completion_tokens == 2
+    bare = one_request(stub_url, "whole-no-finish")
+    assert bare.error_type == "no finish_reason" and bare.text == " whole answer"
+
+
+def test_a_level_counts_finish_reasons_and_each_failure_by_type(stub_url):
+    prompts = [{"id": f"p{i}", "prompt": p} for i, p in
+               enumerate(["one two", "a b c d e", "error-event", "no-done", "no-finish", "three"])]
+    level = asyncio.run(run_level("stub", stub_url + "/v1", "stub", prompts, 2, 3, 0.0))
+    summary = level.summary()
+    assert summary["requests"] == 6 and summary["errors"] == 3
+    assert summary["errors_by_type"] == {"error event": 1, "no [DONE]": 1, "no finish_reason": 1}
+    assert summary["finish_reasons"] == {"length": 1, "stop": 2}  # served requests only
+    assert summary["completion_tokens"] == 2 + 3 + 1  # the failed requests' tokens count in no throughput
+    assert {q.prompt_id: q.finish_reason for q in level.requests} == {
+        "p0": "stop", "p1": "length", "p2": None, "p3": "stop", "p4": None, "p5": "stop"}

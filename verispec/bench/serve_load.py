@@ -10,6 +10,12 @@ No request is lost to a peer's connection handling: a request that fails before 
 response arrived (a keep-alive connection the server had already closed, a refused connect) is
 sent again on a fresh connection, at most `RETRIES` times. Every error that remains is recorded
 with its type and counted per server.
+
+No failure passes for a short answer either: a stream that carries an error event (`data: {"error":
+{...}}`, as verispec and OpenAI send one), closes before `data: [DONE]`, or reaches it without any
+chunk giving a `finish_reason` is an error of its own type ("error event", "no [DONE]", "no
+finish_reason"), as is a non-streamed JSON answer without a `finish_reason`. Each request's finish
+reason is kept, and every level counts them.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class RequestRecord:
     text: str = ""
     speculative: dict | None = None  # the server's own stats, when it reports them
     error: str | None = None
-    error_type: str | None = None  # e.g. "RemoteProtocolError", "HTTP 500"
+    error_type: str | None = None  # e.g. "RemoteProtocolError", "HTTP 500", "error event", "no [DONE]"
+    finish_reason: str | None = None  # the server's, e.g. "length" or "stop"; None when none came
     retries: int = 0  # sends again on a fresh connection after failing before any response byte
 
 
@@ -81,12 +88,15 @@ class LevelResult:
             # every target forward yields one token of its own plus the drafts it accepted
             tokens_per_forward = tokens / (tokens - accepted) if tokens > accepted else None
         errors_by_type = dict(Counter(r.error_type or "error" for r in self.requests if r.error is not None))
+        # served requests only, so finish reasons and errors add up to the requests
+        finish_reasons = dict(sorted(Counter(r.finish_reason for r in ok if r.finish_reason is not None).items()))
         return {
             "server": self.server,
             "concurrency": self.concurrency,
             "requests": len(self.requests),
             "errors": len(self.requests) - len(ok),
             "errors_by_type": errors_by_type,
+            "finish_reasons": finish_reasons,
             "retries": sum(r.retries for r in self.requests),
             "startup_seconds": self.startup_seconds,
             "completion_tokens": tokens,
@@ -133,7 +143,11 @@ async def _one_request(
 async def _stream_into(
     record: RequestRecord, client: httpx.AsyncClient, url: str, body: dict, chat: bool, start: float
 ) -> bool:
-    """Send one request and read its stream into `record`; True once any byte of a response arrived."""
+    """Send one request and read its stream into `record`; True once any byte of a response arrived.
+
+    A response that ends without proof of having finished is an error: an error event in the stream,
+    no `data: [DONE]` before the stream closed, or no `finish_reason` in any chunk.
+    """
     responded = False
     try:
         async with client.stream("POST", url, json=body) as response:
@@ -142,10 +156,25 @@ async def _stream_into(
                 record.error_type = f"HTTP {response.status_code}"
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
                 return responded
+            if response.headers.get("content-type", "").startswith("application/json"):  # answered whole
+                _read_whole(record, json.loads(await response.aread()), chat, time.perf_counter() - start)
+                return responded
+            done = False
+            event_error: str | None = None
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if line.startswith("error:") or line.strip() == "event: error":  # an SSE error event (llama.cpp)
+                    event_error = event_error or line.partition(":")[2].strip() or "error event"
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                if not line.startswith("data: "):
                     continue
                 chunk = json.loads(line[len("data: "):])
+                message = _error_message(chunk)
+                if message is not None:
+                    event_error = event_error or message
+                    continue
                 for choice in chunk.get("choices") or []:
                     piece = choice.get("text") if not chat else (choice.get("delta") or {}).get("content")
                     if piece:
@@ -153,16 +182,58 @@ async def _stream_into(
                         record.chunk_times.append(now)
                         record.first_token = record.first_token if record.first_token is not None else now
                         record.text += piece
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
                 if chunk.get("usage"):
                     record.completion_tokens = chunk["usage"].get("completion_tokens", 0)
                 if chunk.get("speculative"):
                     record.speculative = chunk["speculative"]
         if not record.completion_tokens:  # a server that reports no usage: one token per text chunk
             record.completion_tokens = len(record.chunk_times)
+        if event_error is not None:
+            record.error_type, record.error = "error event", f"error event: {event_error}"
+        elif not done:
+            record.error_type, record.error = "no [DONE]", "the stream ended without data: [DONE]"
+        elif record.finish_reason is None:
+            record.error_type, record.error = "no finish_reason", "no chunk of the stream gave a finish_reason"
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         record.error_type = type(error).__name__
         record.error = f"{type(error).__name__}: {error}"
     return responded
+
+
+def _error_message(payload: dict) -> str | None:
+    """The message of an error payload: OpenAI's and verispec's {"error": {...}} (or {"error": "..."}),
+    or the flat {"object": "error", "message": ...} of some peers; None for anything else."""
+    error = payload.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or json.dumps(error))
+    if error:
+        return str(error)
+    if payload.get("object") == "error":
+        return str(payload.get("message") or json.dumps(payload))
+    return None
+
+
+def _read_whole(record: RequestRecord, answer: dict, chat: bool, now: float) -> None:
+    """A non-streamed answer: its text as one chunk; an error without a finish_reason, as in a stream."""
+    message = _error_message(answer)
+    if message is not None:
+        record.error_type, record.error = "error event", f"error event: {message}"
+        return
+    for choice in answer.get("choices") or []:
+        piece = choice.get("text") if not chat else (choice.get("message") or {}).get("content")
+        if piece:
+            record.chunk_times.append(now)
+            record.first_token = record.first_token if record.first_token is not None else now
+            record.text += piece
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    record.completion_tokens = (answer.get("usage") or {}).get("completion_tokens") or len(record.chunk_times)
+    if answer.get("speculative"):
+        record.speculative = answer["speculative"]
+    if record.finish_reason is None:
+        record.error_type, record.error = "no finish_reason", "the answer gave no finish_reason"
 
 
 async def run_level(
@@ -307,6 +378,7 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
             console.print(
                 f"  {s['throughput_tokens_per_second']:.2f} tok/s, TTFT p50 {s['ttft_p50'] or 0:.2f} s, "
                 f"errors {s['errors']}" + (f" {s['errors_by_type']}" if s["errors"] else "")
+                + f", finished {_finish_reasons(s) or 'none'}"
                 + (f", retried {s['retries']}" if s["retries"] else "")
             )
     if not results:
@@ -318,7 +390,7 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
     _write(args, argv, servers, measured, summaries, results, skipped)
     table = Table(title=f"serving: {args.workload}, {args.max_tokens} tokens")
     for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept",
-                   "tok/fwd", "errors"):
+                   "tok/fwd", "finished", "errors"):
         table.add_column(column)
     for s in summaries:
         table.add_row(*_row(s))
@@ -344,6 +416,11 @@ def _clients(count: int) -> str:
     return f"{count} client" + ("s" if count != 1 else "")
 
 
+def _finish_reasons(s: dict) -> str:
+    """A level's finish reasons as counts, e.g. "7 length, 1 stop" ("" when none)."""
+    return ", ".join(f"{count} {reason}" for reason, count in (s.get("finish_reasons") or {}).items())
+
+
 def _row(s: dict) -> list[str]:
     ms = lambda v: None if v is None else v * 1000  # noqa: E731
     return [
@@ -352,6 +429,7 @@ def _row(s: dict) -> list[str]:
         format_or_dash(ms(s["per_token_latency_p50"]), "{:.0f}"),
         format_or_dash(ms(s["per_token_latency_p95"]), "{:.0f}"),
         format_or_dash(s["acceptance_rate"], "{:.2f}"), format_or_dash(s["tokens_per_target_forward"], "{:.2f}"),
+        _finish_reasons(s) or "-",
         str(s["errors"]) + "".join(f" ({count} {kind})" for kind, count in s["errors_by_type"].items()),
     ]
 
@@ -372,13 +450,16 @@ def _write(
     (out / "results.json").write_text(json.dumps({"meta": meta, "summaries": summaries, "raw": raw}, indent=1))
     lines = [f"# Serving benchmark: {args.workload}", "", f"Command: `{command}`", "",
              "| server | clients | tok/s | TTFT p50 s | TTFT p95 s | ms/token p50 | ms/token p95 | acceptance "
-             "| tok/forward | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tok/forward | finished | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(_row(s)) + " |" for s in summaries]
     lines += ["", "Acceptance and tokens per forward: verispec's from each response's `speculative` stats; "
               "peers' from their own /metrics over the turn (`spec_decode_*` counters: accepted / drafted "
               "tokens, and completion tokens / (completion tokens - accepted), as each target forward "
-              "yields one token of its own)."]
+              "yields one token of its own).",
+              "", "Finished: the served requests' finish reasons, counted. A stream that carried an error event, "
+              "closed before `data: [DONE]`, or reached it without a `finish_reason` is an error of that type "
+              "(\"error event\", \"no [DONE]\", \"no finish_reason\") and counts in no figure above."]
     retried = sum(s["retries"] for s in summaries)
     if retried:
         lines += ["", f"Requests sent again on a fresh connection after failing before any response byte: {retried}."]
