@@ -577,6 +577,9 @@ BAD_REQUESTS = {
     "presence-penalty-high": Bad(COMPLETIONS, good(presence_penalty=2.5), 400, None, "presence_penalty"),
     "frequency-penalty-string": Bad(CHAT, chat(frequency_penalty="-1"), 400, None, "frequency_penalty"),
     "repetition-penalty-zero": Bad(COMPLETIONS, good(repetition_penalty=0), 400, None, "repetition_penalty"),
+    # Settings that overflow the scores to infinity (NaN probabilities) once ended every request in the batch.
+    "temperature-tiny": Bad(COMPLETIONS, good(temperature=1e-40), 400, None, "temperature"),
+    "repetition-penalty-tiny": Bad(CHAT, chat(repetition_penalty=1e-40), 400, None, "repetition_penalty"),
     "logit-bias-key": Bad(COMPLETIONS, good(logit_bias={"hello": 1}), 400, None, "logit_bias"),
     "logit-bias-value": Bad(CHAT, chat(logit_bias={"5": 150}), 400, None, "logit_bias"),
     "logit-bias-duplicate": Bad(CHAT, chat(logit_bias={"5": 1, "05": 2}), 400, None, "logit_bias"),
@@ -589,6 +592,10 @@ BAD_REQUESTS = {
         400, "invalid_json_schema", "response_format",
     ),
     "schema-missing": Bad(CHAT, chat(response_format={"type": "json_schema"}), 400, None, "response_format"),
+    "schema-admits-no-value": Bad(
+        COMPLETIONS, good(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+        400, "invalid_json_schema", "response_format",
+    ),
     "schema-unnamed": Bad(
         COMPLETIONS, good(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400,
         "missing_required_parameter", "response_format.json_schema.name",

@@ -78,7 +78,14 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
         if matcher.is_error():
             raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        grammar = Grammar(matcher, self.vocab_size)
+        try:  # the first mask, now: a grammar whose lexer fails on it would otherwise fail mid-request
+            grammar.allowed()
+        except RuntimeError as error:
+            raise SchemaError(f"{what} cannot be used: {error}") from None
+        if matcher.is_error() or grammar.finished:
+            raise SchemaError(f"{what} admits no value (a schema that refers only to itself, say); nothing can be generated")
+        return grammar
 
 
 @functools.lru_cache(maxsize=256)

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, 100 makes it all but certain
+# Scores divided by a smaller temperature, or by a smaller repetition penalty (or multiplied by a larger one), can
+# overflow float32 to infinity, and a softmax over infinities is NaN: no distribution to sample from.
+MIN_TEMPERATURE = 1e-6
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}: a smaller "
+                "one overflows the scores to infinity (use 0 for the most likely token)"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
@@ -53,8 +62,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not (math.isfinite(self.repetition_penalty) and low <= self.repetition_penalty <= high):
+            raise ValueError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), got {self.repetition_penalty!r}: "
+                "beyond that the scores it divides or multiplies overflow"
+            )
         for token_id, bias in self.logit_bias:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")

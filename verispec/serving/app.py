@@ -243,8 +243,9 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             ) from None
         except SchemaError as error:
             raise APIError(400, str(error), "response_format", "invalid_json_schema") from None
-        except ValueError as error:
-            raise APIError(400, str(error)) from None
+        except ValueError as error:  # a setting the request named, when the message starts with its name
+            named = str(error).split(" ", 1)[0]
+            raise APIError(400, str(error), named if named in type(body).model_fields else None) from None
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         header = {"id": response_id, "created": int(time.time()), "model": model_name}
         calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools

@@ -38,6 +38,7 @@ class BatchedDraftModel:
         self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
         self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
         self.catch_up_tokens = 0  # tokens those long tails held
+        self.faults: dict[int, Exception] = {}  # of the last propose(): rows whose own sampling or grammar failed
 
     def add(self, row: int) -> None:
         """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
@@ -115,6 +116,25 @@ class BatchedDraftModel:
         extra = self.target_vocab_size - probs.shape[-1]
         return torch.nn.functional.pad(probs, (0, extra)) if extra > 0 else probs[..., : self.target_vocab_size]
 
+    def _draw(
+        self, b: int, i: int, logits: torch.Tensor, tokens: list[int], drafted: torch.Tensor,
+        params: SamplingParams, generator: torch.Generator | None, grammar: Grammar | None,
+        probs: list[torch.Tensor], prompt_lengths: list[int] | None,
+    ) -> int:
+        """Row b's draft token at position i from its draft scores (V',); its q (V,) appended to probs when sampling."""
+        allowed = fit_mask(grammar.allowed(), logits.shape[-1]) if grammar is not None else None  # (V',)
+        if params.greedy and allowed is None and not params.transforms_scores:
+            return int(torch.argmax(logits[: self.target_vocab_size]))
+        history = None
+        if params.penalized:
+            if prompt_lengths is None:
+                raise ValueError("penalized sampling needs each row's prompt length")
+            history = TokenHistory(tokens + drafted[b, :i].tolist(), prompt_lengths[b])
+        q = self._to_target_vocab(logits_to_probs(logits, params, allowed, history))  # (V,)
+        if not params.greedy:
+            probs.append(q)
+        return int(sample(q[None], generator)[0])
+
     def propose(
         self,
         tokens: list[list[int]],
@@ -139,6 +159,7 @@ class BatchedDraftModel:
         n = len(tokens)
         drafting = list(drafting) if drafting is not None else [True] * n
         self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
+        self.faults = {}
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         started = time.perf_counter()
@@ -162,21 +183,15 @@ class BatchedDraftModel:
                 if grammar is not None and grammar.finished:
                     lengths[b] = i
                     continue
-                allowed = fit_mask(grammar.allowed(), logits.shape[-1]) if grammar is not None else None  # (V',)
-                if params[b].greedy and allowed is None and not params[b].transforms_scores:
-                    drafted[b, i] = int(torch.argmax(logits[b, : self.target_vocab_size]))
-                else:
-                    history = None
-                    if params[b].penalized:
-                        if prompt_lengths is None:
-                            raise ValueError("penalized sampling needs each row's prompt length")
-                        history = TokenHistory(tokens[b] + drafted[b, :i].tolist(), prompt_lengths[b])
-                    q = self._to_target_vocab(logits_to_probs(logits[b], params[b], allowed, history))  # (V,)
-                    if not params[b].greedy:
-                        probs[b].append(q)
-                    drafted[b, i] = int(sample(q[None], generators[b])[0])
-                if grammar is not None:
-                    grammar.advance([int(drafted[b, i])])
+                try:
+                    drafted[b, i] = self._draw(b, i, logits[b], tokens[b], drafted, params[b], generators[b],
+                                               grammar, probs[b], prompt_lengths)
+                    if grammar is not None:
+                        grammar.advance([int(drafted[b, i])])
+                except Exception as error:  # noqa: BLE001 - this row's failure is its own (see faults)
+                    self.faults[b] = error
+                    lengths[b] = i  # what it drafted so far is rolled back from its grammar below
+                    drafting[b] = False
             if i < k - 1 and any(length > i + 1 for length in lengths):
                 rows = [[int(drafted[b, i])] if lengths[b] > i + 1 else None for b in range(n)]
                 logits = self._feed(rows)  # (n, V')

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -52,6 +53,8 @@ from verispec.verify import verify
 
 if TYPE_CHECKING:
     from verispec.serving.metrics import ServerMetrics
+
+log = logging.getLogger("verispec.scheduler")
 
 SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "composite", "none")
 # Drafters with a (batched) draft model; composite asks each sequence's suffix index first.
@@ -174,6 +177,7 @@ class _Sequence:
     prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
     # Per-sequence k: by drafter source, how often each draft position was reached and accepted.
     position_hits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    fault: BaseException | None = None  # what went wrong on this sequence's behalf this step: it ends alone
 
     @property
     def generated(self) -> int:
@@ -343,25 +347,30 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
-                self._drop_cancelled_waiting()
-                if self._prefilling is not None and self._prefilling.handle.cancelled.is_set():
-                    self._finish(self._prefilling, "cancelled")
-                    self._prefilling = None
-                self._admit()
-                if not self.active:
-                    if self._prefilling is None:
-                        self._wakeup.wait(timeout=0.5)
-                        self._wakeup.clear()
-                    continue
-                self._step()
-            except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
-                self._fail_active(f"decoding failed: {type(error).__name__}: {error}")
+                if not self.run_once():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+            except Exception as error:  # noqa: BLE001 - a batched forward failed: fail the batch, keep serving
+                log.exception("a decoding step failed for every sequence in it")
+                self._fail_active(f"decoding failed ({type(error).__name__}); see the server log")
             except BaseException as error:  # a dead model thread must show in /health, and no caller may hang
                 self.failure = error
                 self._fail_all(f"the decoding loop stopped: {type(error).__name__}")
                 raise
         self._fail_all("the server is shutting down")
+
+    def run_once(self) -> bool:
+        """One turn of the model thread's loop: drop cancelled requests, admit prompts, one decoding step.
+        False when there was nothing to do. (Tests call it directly, to place requests at exact steps.)"""
+        self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
+        self._drop_cancelled_waiting()
+        if self._prefilling is not None and self._prefilling.handle.cancelled.is_set():
+            self._finish(self._prefilling, "cancelled")
+            self._prefilling = None
+        self._admit()
+        if self.active:
+            self._step()
+        return bool(self.active) or self._prefilling is not None
 
     def _fail_all(self, message: str) -> None:
         self._fail_active(message)
@@ -395,7 +404,9 @@ class Scheduler:
         (see prefill_budget) and the rest in later steps, so the active streams keep flowing while a
         long prompt goes in, and a request starts decoding (its first token comes with the next
         step) as soon as its own prompt is in. Without chunked_prefill, every waiting prompt goes in
-        whole before the next step.
+        whole before the next step. A prompt with nothing left to feed (one token, all of it in the
+        prefix cache, another choice's copy) decodes at once. A failure on one prompt's behalf ends
+        that request alone.
         """
         while True:
             if self._prefilling is None:
@@ -408,29 +419,59 @@ class Scheduler:
                 if sequence.handle.cancelled.is_set():
                     self._finish(sequence, "cancelled")
                     continue
-                self._start_prefill(sequence)
+                if not self._guarded(sequence, self._start_prefill, sequence):
+                    continue
             sequence = self._prefilling
             decoding = len(self.active)
-            prompt = sequence.prompt_ids[:-1]
-            if decoding and self.packs_prefill and sequence.prefilled < len(prompt):
+            if decoding and self.packs_prefill and sequence.prefilled < len(sequence.prompt_ids) - 1:
                 break  # its chunks go in with the decoding steps' own forwards (_step)
-            started = time.perf_counter()
-            fed = self.target.model.prefill(
-                prompt[sequence.prefilled :], self.cache.rows(decoding, decoding + 1),
-                self._prefill_budget(sequence) if decoding and self.chunked_prefill else None,
-            )
-            if fed:
-                self._prefill_token_seconds = moving_average(
-                    self._prefill_token_seconds, (time.perf_counter() - started) / fed, COST_SMOOTHING
-                )
-            sequence.prefilled += fed
-            if sequence.prefilled < len(prompt):
+            if not self._guarded(sequence, self._prefill_some, sequence, decoding):
+                self._prefilling = None
+                continue
+            if sequence.prefilled < len(sequence.prompt_ids) - 1:
                 break  # the rest after the next step
             self._prefilling = None
-            self._begin_decoding(decoding, sequence)
+            if not self._guarded(sequence, self._begin_decoding, decoding, sequence):
+                continue
             if decoding and self.chunked_prefill:
                 break  # one prompt per step while others decode
         self._report_queue()
+
+    def _prefill_some(self, sequence: _Sequence, row: int) -> None:
+        """Feed the prompt going in (row `row`): all of it, or this step's budget of it while others decode."""
+        prompt = sequence.prompt_ids[:-1]
+        if sequence.prefilled >= len(prompt):
+            return
+        started = time.perf_counter()
+        fed = self.target.model.prefill(
+            prompt[sequence.prefilled :], self.cache.rows(row, row + 1),
+            self._prefill_budget(sequence) if row and self.chunked_prefill else None,
+        )
+        if fed:
+            self._prefill_token_seconds = moving_average(
+                self._prefill_token_seconds, (time.perf_counter() - started) / fed, COST_SMOOTHING
+            )
+        sequence.prefilled += fed
+
+    def _guarded(self, sequence: _Sequence, work: Callable, *args) -> bool:
+        """Run work(*args) on one sequence's behalf; if it raises, end that sequence alone (not yet in
+        `active`) with an error event and return False."""
+        try:
+            work(*args)
+            return True
+        except Exception as error:  # noqa: BLE001 - one request's failure is its own
+            self._end_with_fault(sequence, error)
+            return False
+
+    def _end_with_fault(self, sequence: _Sequence, error: BaseException) -> None:
+        """Log a sequence's failure with its traceback and end it with an error event naming its request id
+        (no internals in the message)."""
+        log.error(
+            "request %s failed: %s: %s", sequence.handle.request_id, type(error).__name__, error,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        message = f"generation failed for request {sequence.handle.request_id} ({type(error).__name__}); see the server log"
+        self._finish(sequence, "error", message)
 
     def _prefill_budget(self, sequence: _Sequence) -> int:
         """Prompt tokens to feed this step while others decode: prefill_budget's, on chunk boundaries where
@@ -489,9 +530,19 @@ class Scheduler:
         """Which drafter proposes for each active row this step (composite: lookup where the context recurs)."""
         if self.drafter != "composite":
             return [self.drafter] * len(self.active)
-        return [
-            s.drafter.source if s.drafter.can_propose(s.tokens) else BatchedDraftModel.source for s in self.active
-        ]
+        lookup = [self._try(s, s.drafter.can_propose, s.tokens) for s in self.active]
+        return [s.drafter.source if found else BatchedDraftModel.source for s, found in zip(self.active, lookup)]
+
+    def _try(self, sequence: _Sequence, work: Callable, *args, default=None):
+        """work(*args) on behalf of an active sequence; if it raises, the sequence is marked faulty (it takes no
+        further part in this step and ends alone after it) and `default` is returned, as it is for a faulty one."""
+        if sequence.fault is not None:
+            return default
+        try:
+            return work(*args)
+        except Exception as error:  # noqa: BLE001 - one request's failure is its own
+            sequence.fault = error
+            return default
 
     def _choose_k(self, batch_size: int, source: str, rows: int) -> tuple[int, bool]:
         """k for the `rows` rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
@@ -552,15 +603,14 @@ class Scheduler:
                 self._catch_up_limit(), [s.grammar for s in active], [len(s.prompt_ids) for s in active],
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
+            for row, error in self.draft.faults.items():  # a row's own sampling or grammar failed while drafting
+                active[row].fault = error
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
             proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
         for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
-            if k > 0 and source != model:
+            if k > 0 and source != model and sequence.fault is None:
                 started = time.perf_counter()
-                proposals[row] = cut_to_grammar(  # a lookup's drafts stop where the grammar forbids one
-                    sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator),
-                    sequence.grammar,
-                )
+                proposals[row] = self._try(sequence, self._lookup_proposal, sequence, k, default=proposals[row])
                 seconds[source] = seconds.get(source, 0.0) + time.perf_counter() - started
         trimmed = []  # a row near its max_tokens keeps only drafts it can still use
         for proposal, k in zip(proposals, k_per_row):
@@ -569,6 +619,12 @@ class Scheduler:
                 proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
             trimmed.append(proposal)
         return trimmed, seconds
+
+    @staticmethod
+    def _lookup_proposal(sequence: _Sequence, k: int) -> Proposal:
+        """A sequence's own (model-free) drafter's proposal, cut where its grammar forbids a draft."""
+        proposal = sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator)
+        return cut_to_grammar(proposal, sequence.grammar)
 
     def _catch_up_limit(self) -> int | None:
         """Tokens a row far behind in the draft cache may catch up by this step: with others decoding, what
@@ -635,21 +691,13 @@ class Scheduler:
             row_logits = [logits[b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
             verify_tokens = n * width
 
-        accepted: list[int] = []
-        new_tokens: list[list[int]] = []
-        for b, (sequence, proposal) in enumerate(zip(active, proposals)):
-            used = 1 + proposal.num_tokens
-            allowed = None  # (1, 1 + k_b, V) under a grammar: its mask at every verified position
-            if sequence.grammar is not None:
-                allowed = sequence.grammar.masks_along(proposal.token_ids[0].tolist())[None]
-            params = sequence.config.sampling
-            history = None  # penalties: the tokens before each verified position
-            if params.penalized:
-                history = TokenHistory(sequence.tokens + proposal.token_ids[0].tolist(), len(sequence.prompt_ids))
-            p = logits_to_probs(row_logits[b][None], params, allowed, history)  # (1, 1 + k_b, V)
-            result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
-            accepted.append(int(result.num_accepted[0]))
-            new_tokens.append(result.token_ids[0, : accepted[-1] + 1].tolist())
+        # A faulty row (-1 accepted) commits nothing and leaves after the step.
+        verified = [
+            self._try(sequence, self._verify_row, sequence, proposal, logits, default=(-1, []))
+            for sequence, proposal, logits in zip(active, proposals, row_logits)
+        ]
+        accepted = [num_accepted for num_accepted, _ in verified]
+        new_tokens = [tokens for _, tokens in verified]
         self.cache.rows(0, n).commit(torch.tensor(accepted) + 1)
         finished_at = time.perf_counter()
         forward_seconds = finished_at - verifying
@@ -662,6 +710,8 @@ class Scheduler:
         accepted_by_position = [0] * (width - 1)
         done: list[tuple[_Sequence, str]] = []
         for b, (sequence, proposal, num_accepted, tokens) in enumerate(zip(active, proposals, accepted, new_tokens)):
+            if sequence.fault is not None:
+                continue
             drafted = proposal.num_tokens
             for position in range(drafted):
                 drafted_by_position[position] += 1
@@ -683,12 +733,7 @@ class Scheduler:
                 source, drafted, num_accepted, spent, verify_tokens, None if chunk else forward_seconds, batch_size=n,
             )
             sequence.tokens.extend(tokens)
-            if sequence.grammar is not None:
-                sequence.grammar.advance(tokens)
-            logprobs = None
-            if sequence.config.logprobs is not None:  # the target's scores at each emitted token
-                logprobs = token_logprobs(row_logits[b], tokens, sequence.config.logprobs)
-            finish_reason = self._emit(sequence, tokens, finished_at, logprobs)
+            finish_reason = self._try(sequence, self._commit_row, sequence, tokens, row_logits[b], finished_at)
             if finish_reason is not None:
                 done.append((sequence, finish_reason))
         if not chunk:  # the streams' steady step, which a chunk may lengthen by its share (see _packed_chunk)
@@ -700,10 +745,37 @@ class Scheduler:
             prefilling.prefilled += len(chunk)
             if prefilling.prefilled == len(prefilling.prompt_ids) - 1:  # in: it decodes from the next step (row n)
                 self._prefilling = None
-                self._begin_decoding(n, prefilling)
+                self._guarded(prefilling, self._begin_decoding, n, prefilling)
                 self._report_queue()
+        faulty = [sequence for sequence in active if sequence.fault is not None]
         for sequence, reason in done:
             self._retire([sequence], reason, emitted=True)
+        self._retire(faulty, "error")
+
+    def _verify_row(
+        self, sequence: _Sequence, proposal: Proposal, logits: torch.Tensor
+    ) -> tuple[int, list[int]]:
+        """Accept/reject one row's drafts against its target scores (1 + k_b, V): (accepted drafts, new tokens)."""
+        allowed = None  # (1, 1 + k_b, V) under a grammar: its mask at every verified position
+        if sequence.grammar is not None:
+            allowed = sequence.grammar.masks_along(proposal.token_ids[0].tolist())[None]
+        params = sequence.config.sampling
+        history = None  # penalties: the tokens before each verified position
+        if params.penalized:
+            history = TokenHistory(sequence.tokens + proposal.token_ids[0].tolist(), len(sequence.prompt_ids))
+        p = logits_to_probs(logits[None], params, allowed, history)  # (1, 1 + k_b, V)
+        result = verify(proposal.token_ids, proposal.probs, p, sequence.generator)
+        num_accepted = int(result.num_accepted[0])
+        return num_accepted, result.token_ids[0, : num_accepted + 1].tolist()
+
+    def _commit_row(self, sequence: _Sequence, tokens: list[int], logits: torch.Tensor, now: float) -> str | None:
+        """Advance a row's grammar over its new tokens and stream them; its finish reason when it is done."""
+        if sequence.grammar is not None:
+            sequence.grammar.advance(tokens)
+        logprobs = None
+        if sequence.config.logprobs is not None:  # the target's scores at each emitted token
+            logprobs = token_logprobs(logits, tokens, sequence.config.logprobs)
+        return self._emit(sequence, tokens, now, logprobs)
 
     def _packed_chunk(self, sequence: _Sequence, verify_tokens: int, draft_seconds: float) -> list[int]:
         """The prompt tokens the step's forward over `verify_tokens` tokens carries for the sequence being admitted.
@@ -761,7 +833,9 @@ class Scheduler:
             return
         leaving = {id(s) for s in sequences}
         for sequence in sequences:
-            if not emitted:
+            if sequence.fault is not None:
+                self._end_with_fault(sequence, sequence.fault)
+            elif not emitted:
                 self._finish(sequence, reason)
             elif self.metrics is not None:
                 stats = sequence.stats
@@ -779,11 +853,11 @@ class Scheduler:
         self.active = survivors
         self._report_queue()
 
-    def _finish(self, sequence: _Sequence, reason: str) -> None:
-        """End a sequence that has not sent its final event yet (cancelled)."""
+    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        """End a sequence that has not sent its final event yet (cancelled, or "error" with a message)."""
         stats = sequence.stats
         stats.total_seconds = time.perf_counter() - sequence.submitted
-        sequence.handle._put(SequenceEvent("", [], reason, dataclasses.replace(stats)))
+        sequence.handle._put(SequenceEvent("", [], reason, dataclasses.replace(stats), error))
         if self.metrics is not None:
             self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
 

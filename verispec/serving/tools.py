@@ -50,21 +50,42 @@ def tool_tokens(tokenizer: Any) -> ToolTokens | None:
 
 
 def call_schema(functions: list[dict]) -> dict:
-    """The JSON schema of one call's body: {"name": one of the functions, "arguments": its parameters}."""
+    """The JSON schema of one call's body: {"name": one of the functions, "arguments": its parameters}.
+
+    Each function's parameters sit under the root's $defs (as "f0", "f1", ...), their local references
+    ("#", "#/$defs/item", ...) pointed there, so parameters that use $defs and $ref mean what they mean
+    in response_format.
+    """
+    definitions = {
+        f"f{i}": _rebase_refs(function.get("parameters") or {"type": "object"}, f"#/$defs/f{i}")
+        for i, function in enumerate(functions)
+    }
     options = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": function["name"]},
-                "arguments": function.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": f"#/$defs/f{i}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for function in functions
+        for i, function in enumerate(functions)
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_LAYOUT}
+    return {**schema, "$defs": definitions, "x-guidance": JSON_LAYOUT}
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """schema with every local "$ref" ("#" or "#/...") made relative to `root` instead of the document."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[key] = root + value[1:]
+        else:
+            rebased[key] = _rebase_refs(value, root)
+    return rebased
 
 
 def tool_grammar(functions: list[dict], choice: str, parallel: bool = True, name: str | None = None) -> str:
