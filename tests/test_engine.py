@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from verispec import engine as engine_module
+from verispec.serving import scheduler as step_module  # the one step both paths run
 from verispec.drafters import DraftModelDrafter
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
@@ -160,7 +160,7 @@ def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
 
 def test_negative_control_accept_all_fails_the_same_check(target, other, repeating_prompt, monkeypatch):
     """A verifier that accepts every draft emits the drafter's law; the check above must catch it."""
-    monkeypatch.setattr(engine_module, "verify", accept_all)
+    monkeypatch.setattr(step_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)

@@ -12,7 +12,8 @@ from verispec.grammar import Grammar, SchemaError
 from verispec.models.loading import load_model
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
-from verispec.serving import batch_draft, scheduler as scheduler_module
+from verispec.drafters import batch_draft
+from verispec.serving import scheduler as scheduler_module
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 # The faulty one (2) repeats itself, so its suffix index proposes.
@@ -72,7 +73,7 @@ def inject(monkeypatch, stage: str, after_calls: int) -> None:
 
         monkeypatch.setattr(module, "logits_to_probs", logits_to_probs)
     elif stage in ("emit", "lookup"):
-        name = "_emit" if stage == "emit" else "_lookup_proposal"
+        name = "_emit" if stage == "emit" else "_own_proposal"
         real = getattr(Scheduler, name)
 
         def wrapped(*args, **kwargs):

@@ -21,7 +21,8 @@ from test_verify import accept_all_verifier, frequency_mismatch
 from verispec.drafters import DraftModelDrafter
 from verispec.drafters.base import Proposal
 from verispec.engine import GenerationConfig, SpeculativeEngine
-from verispec.grammar import SchemaError, cut_to_grammar, fit_mask, grammar_for
+from verispec.drafters.base import cut_to_grammar
+from verispec.grammar import SchemaError, fit_mask, grammar_for
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams, logits_to_probs
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
@@ -266,7 +267,12 @@ def test_bad_schemas_are_clear_errors(target, schema, message):
 
 def test_an_empty_schema_still_constrains(target):
     """{} allows any JSON value: a grammar all the same, not "no response_format"."""
-    assert SpeculativeEngine(target).stream(PROMPT, GenerationConfig(json_schema={})).grammar is not None
+    engine = SpeculativeEngine(target)
+    constrained = engine.generate(PROMPT, GenerationConfig(json_schema={}, max_new_tokens=24)).token_ids
+    tokens = [t for t in constrained if t not in target.eos_token_ids]
+    assert grammar_for(target, {}).valid_prefix(tokens) == len(tokens)
+    free = engine.generate(PROMPT, GenerationConfig(max_new_tokens=24)).token_ids
+    assert grammar_for(target, {}).valid_prefix(free) < len(free)  # unconstrained, the tiny model writes no JSON
 
 
 def test_ignore_eos_cannot_end_a_document():

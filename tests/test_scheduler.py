@@ -13,7 +13,7 @@ from verispec.drafters.base import LONG_TAIL
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
-from verispec.serving.batch_draft import BatchedDraftModel
+from verispec.drafters.batch_draft import BatchedDraftModel
 from verispec.serving.scheduler import QueueFullError, Scheduler, SchedulerLimits
 
 PROMPTS = [
@@ -512,3 +512,20 @@ def test_k_per_sequence_sampling_follows_the_target_distribution(target, draft, 
     finally:
         scheduler.stop()
     assert law_matches(counts, law, runs)
+
+
+def test_cross_tokenizer_sequences_draft_with_their_own_drafter_and_equal_single_requests(tiny_dir, tiny_llama_dir):
+    """The server's cross-tokenizer drafter: one shared draft model, each sequence its own re-encoding drafter."""
+    from verispec.serving.scheduler import build_scheduler
+
+    scheduler = build_scheduler(
+        str(tiny_dir), str(tiny_llama_dir), "cross-tokenizer", "float32", draft_quantize="none", k=3,
+        limits=SchedulerLimits(max_batch_size=3, max_context=256),
+    )
+    lengths = [20, 12, 25, 9]
+    events = run_all(scheduler, PROMPTS[:4], [GenerationConfig(max_new_tokens=n) for n in lengths])
+    for prompt, n, prompt_events in zip(PROMPTS, lengths, events):
+        assert [t for e in prompt_events for t in e.token_ids] == plain_tokens(scheduler.target, prompt, n)
+        assert prompt_events[-1].finish_reason == "length"
+    assert sum(e[-1].stats.drafted_tokens for e in events) > 0
+    assert {source for e in events for source in e[-1].stats.steps_by_drafter} == {"cross-tokenizer"}

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--drafter", default="draft-model", choices=SERVED_DRAFTERS,
         help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
-        "composite (each request's suffix index where its text recurs, else the draft model), or none",
+        "composite (each request's suffix index where its text recurs, else the draft model), cross-tokenizer "
+        "(a draft model with its own vocabulary, one per request), or none",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=_port, default=8000)

@@ -19,7 +19,6 @@ it depends on triton (a GPU compiler, 1 GB); outlines-core took 0.7-18 s to comp
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import threading
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from verispec.drafters.base import Proposal
 
 if TYPE_CHECKING:
     from verispec.models.loading import LoadedModel
@@ -163,19 +161,6 @@ def fit_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
     if mask.shape[-1] >= width:
         return mask[..., :width]
     return torch.nn.functional.pad(mask, (0, width - mask.shape[-1]), value=False)
-
-
-def cut_to_grammar(proposal: Proposal, grammar: Grammar | None) -> Proposal:
-    """The drafts the verify pass can use under a grammar: a point-mass proposal up to its first forbidden
-    token, a sampled one through it (its rejection must draw from the residual; see the module docstring)."""
-    if grammar is None or proposal.num_tokens == 0:
-        return proposal
-    valid = grammar.valid_prefix(proposal.token_ids[0].tolist())
-    keep = valid if proposal.probs is None else min(valid + 1, proposal.num_tokens)
-    if keep == proposal.num_tokens:
-        return proposal
-    probs = None if proposal.probs is None else proposal.probs[:, :keep]
-    return dataclasses.replace(proposal, token_ids=proposal.token_ids[:, :keep], probs=probs)
 
 
 _compilers: dict[tuple[int, tuple[int, ...]], GrammarCompiler] = {}

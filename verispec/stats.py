@@ -1,13 +1,15 @@
-"""Per-request statistics, returned as data."""
+"""Per-request statistics, returned as data: one record for the library and the server (its usage and metrics)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (server)
     new_tokens: int = 0  # tokens returned to the caller (after stop handling)
     target_forwards: int = 0  # decode-time target forwards (one per step; prefill not counted)
     draft_forwards: int = 0  # draft model forwards, prefill not counted
@@ -21,7 +23,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0  # target and draft prompt processing
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward, accept/reject and commit
-    total_seconds: float = 0.0
+    total_seconds: float = 0.0  # from the request to its last token
+    time_to_first_token: float | None = None  # seconds from the request to its first generated token
 
     controller: object = field(default=None, repr=False, compare=False)  # the request's cost measurements
 
@@ -35,6 +38,11 @@ class GenerationStats:
     def counterfactual_speedup(self) -> float | None:
         plain = self.plain_seconds_estimate
         return plain / self.total_seconds if plain is not None and self.total_seconds > 0 else None
+
+    @property
+    def completion_tokens(self) -> int:
+        """OpenAI's name for new_tokens."""
+        return self.new_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +79,27 @@ class GenerationStats:
         self.k_histogram[num_drafted] = self.k_histogram.get(num_drafted, 0) + 1
         if num_drafted:
             self.steps_by_drafter[source] = self.steps_by_drafter.get(source, 0) + 1
+
+    def snapshot(self) -> "GenerationStats":
+        """A copy that later steps do not change (the controller is shared, not copied)."""
+        copied = copy.copy(self)
+        for name in ("drafted_by_position", "accepted_by_position", "steps_by_drafter", "k_histogram"):
+            setattr(copied, name, copy.copy(getattr(self, name)))
+        return copied
+
+    def usage(self) -> dict:
+        """What a served response reports of its speculation (its "speculative" block)."""
+        ttft = self.time_to_first_token
+        return {
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "target_forwards": self.target_forwards,
+            "tokens_per_target_forward": round(self.mean_tokens_per_target_forward, 4),
+            "time_to_first_token": None if ttft is None else round(ttft, 4),
+            "total_seconds": round(self.total_seconds, 4),
+        }
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "controller"}

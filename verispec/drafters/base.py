@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.grammar import Grammar
 
 
 @dataclass
@@ -50,3 +54,16 @@ class Drafter(Protocol):
 # A drafter further behind the committed tokens than this (a lazily fed prompt, plain steps, accepted
 # lookup drafts) reports feeding them as catching up, so the controller does not take it for drafting cost.
 LONG_TAIL = 8
+
+
+def cut_to_grammar(proposal: Proposal, grammar: "Grammar | None") -> Proposal:
+    """The drafts the verify pass can use under a grammar: a point-mass proposal up to its first forbidden
+    token, a sampled one through it (its rejection must draw from the residual; see verispec.grammar)."""
+    if grammar is None or proposal.num_tokens == 0:
+        return proposal
+    valid = grammar.valid_prefix(proposal.token_ids[0].tolist())
+    keep = valid if proposal.probs is None else min(valid + 1, proposal.num_tokens)
+    if keep == proposal.num_tokens:
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:, :keep]
+    return dataclasses.replace(proposal, token_ids=proposal.token_ids[:, :keep], probs=probs)

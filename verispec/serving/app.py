@@ -463,9 +463,9 @@ def usage(finals: list[SequenceEvent]) -> dict:
 
 def speculative_stats(finals: list[SequenceEvent]) -> dict:
     """The response's "speculative" statistics (the first choice's), and each choice's when there are several."""
-    stats = {"speculative": finals[0].stats.to_dict()}
+    stats = {"speculative": finals[0].stats.usage()}
     if len(finals) > 1:
-        stats["speculative_choices"] = [event.stats.to_dict() for event in finals]
+        stats["speculative_choices"] = [event.stats.usage() for event in finals]
     return stats
 
 

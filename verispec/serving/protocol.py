@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from verispec.engine import GenerationConfig
+from verispec.config import GenerationConfig
 from verispec.grammar import ANY_JSON_OBJECT
 from verispec.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from verispec.serving.tools import tool_grammar

@@ -36,18 +36,19 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import torch
 
-from verispec.drafters import composite_lookup, make_drafter
-from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
-from verispec.engine import GenerationConfig
-from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for, cut_to_grammar
+from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_drafter
+from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
+from verispec.config import GenerationConfig
+from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import (
     AdaptiveController, ControllerSettings, estimated_forward_seconds, largest_fitting_chunk, moving_average,
 )
 from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
-from verispec.serving.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.drafters.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
+from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
 from verispec.verify import verify
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("verispec.scheduler")
 
-SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "composite", "none")
+SERVED_DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "composite", "cross-tokenizer", "none")
 # Drafters with a (batched) draft model; composite asks each sequence's suffix index first.
 MODEL_DRAFTERS = ("draft-model", "composite")
 
@@ -74,45 +75,14 @@ class QueueFullError(RuntimeError):
 
 
 @dataclass
-class SequenceStats:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
-    completion_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    target_forwards: int = 0  # batched verify steps this sequence took part in
-    time_to_first_token: float | None = None  # seconds from submit to the first generated token
-    total_seconds: float = 0.0  # submit to finish
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def tokens_per_target_forward(self) -> float:
-        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "target_forwards": self.target_forwards,
-            "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
-            "time_to_first_token": None if self.time_to_first_token is None else round(self.time_to_first_token, 4),
-            "total_seconds": round(self.total_seconds, 4),
-        }
-
-
-@dataclass
 class SequenceEvent:
     text: str  # newly released text, possibly ""
     token_ids: list[int]  # newly generated token ids
     finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
-    stats: SequenceStats = field(default_factory=SequenceStats)  # a snapshot; final when finish_reason is set
+    stats: GenerationStats = field(default_factory=GenerationStats)  # a snapshot; final when finish_reason is set
     error: str | None = None  # message when finish_reason == "error"
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
+    exception: BaseException | None = field(default=None, repr=False)  # what failed (in-process callers re-raise it)
 
 
 class RequestHandle:
@@ -171,7 +141,7 @@ class _Sequence:
     submitted: float
     drafter: Drafter | None = None  # a model-free drafter of its own (the draft model is shared, batched)
     grammar: Grammar | None = None  # structured output: the tokens its JSON schema allows, at the committed state
-    stats: SequenceStats = field(default_factory=SequenceStats)
+    stats: GenerationStats = field(default_factory=GenerationStats)
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
     prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
@@ -200,11 +170,21 @@ class Scheduler:
         metrics: "ServerMetrics | None" = None,
         chunked_prefill: bool = False,
         k_per_sequence: bool = False,
+        sequence_drafter: Callable[[], Drafter] | None = None,
+        controller: AdaptiveController | None = None,
+        synchronous: bool = False,
     ) -> None:
-        if drafter not in SERVED_DRAFTERS:
+        """drafter: one of SERVED_DRAFTERS, or with `sequence_drafter` (a library's own drafter, made for each
+        sequence) the name its statistics go by: "composite" when a draft model drafts where it finds nothing.
+        controller: one that measured this machine and model pair before (the library keeps one across requests).
+        synchronous: requests are submitted and run_once driven by one thread that reads its events itself.
+        """
+        if sequence_drafter is None and drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
         if drafter in MODEL_DRAFTERS and draft_model is None:
             raise ValueError(f"drafter {drafter!r} needs a draft model")
+        if drafter == "cross-tokenizer" and sequence_drafter is None:
+            raise ValueError("drafter 'cross-tokenizer' needs each sequence's drafter (sequence_drafter)")
         if drafter not in MODEL_DRAFTERS and draft_model is not None:
             raise ValueError(f"drafter {drafter!r} uses no draft model; only {' and '.join(MODEL_DRAFTERS)} do")
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
@@ -234,7 +214,12 @@ class Scheduler:
         # get the bits of a whole prefill either way); any other gets them by forwards of their own, on boundaries.
         self.packs_prefill = chunked_prefill and target.model.batch_invariant
         self._packed_seconds: dict[int, float] = {}  # tokens in all -> seconds of a forward that carried a chunk
-        self.controller = AdaptiveController(ControllerSettings(k_max=self.k_max))
+        self.controller = controller or AdaptiveController(ControllerSettings(k_max=self.k_max))
+        self.synchronous = synchronous
+        # Each sequence's own drafter (model-free lookups; composite: its suffix index beside the batched model).
+        self.new_drafter: Callable[[], Drafter] | None = sequence_drafter
+        if sequence_drafter is None and drafter in ("prompt-lookup", "suffix-index", "composite"):
+            self.new_drafter = composite_lookup if drafter == "composite" else lambda: make_drafter(drafter, target)
         # Room for the verify pass's draft tokens after the longest sequence.
         capacity = limits.max_context + self.k_max + 2
         self.cache = target.model.new_cache(limits.max_batch_size, capacity)
@@ -324,7 +309,7 @@ class Scheduler:
                 f"server's context of {self.limits.max_context} tokens; shorten the prompt or lower max_tokens"
             )
         try:
-            loop = asyncio.get_running_loop()
+            loop = None if self.synchronous else asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
@@ -339,7 +324,7 @@ class Scheduler:
             eos=frozenset(eos),
             submitted=time.perf_counter(),
             grammar=grammar,
-            stats=SequenceStats(prompt_tokens=len(prompt_ids)),
+            stats=GenerationStats(prompt_tokens=len(prompt_ids), controller=self.controller),
         )
 
     # -- the model thread -------------------------------------------------------------------------
@@ -377,7 +362,7 @@ class Scheduler:
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for sequence in waiting:
-            sequence.handle._put(SequenceEvent("", [], "error", dataclasses.replace(sequence.stats), message))
+            sequence.handle._put(SequenceEvent("", [], "error", sequence.stats.snapshot(), message))
         self._report_queue()
 
     def _drop_cancelled_waiting(self) -> None:
@@ -391,7 +376,7 @@ class Scheduler:
     def _fail_active(self, message: str) -> None:
         """End every active sequence (and the prompt going in) with an error event; their rows are simply reused."""
         for sequence in self.active + ([self._prefilling] if self._prefilling is not None else []):
-            sequence.handle._put(SequenceEvent("", [], "error", dataclasses.replace(sequence.stats), message))
+            sequence.handle._put(SequenceEvent("", [], "error", sequence.stats.snapshot(), message))
             if self.metrics is not None:
                 self.metrics.request_finished("error", sequence.stats.prompt_tokens, sequence.stats.completion_tokens)
         self.active, self._prefilling = [], None
@@ -447,10 +432,10 @@ class Scheduler:
             prompt[sequence.prefilled :], self.cache.rows(row, row + 1),
             self._prefill_budget(sequence) if row and self.chunked_prefill else None,
         )
+        seconds = time.perf_counter() - started
+        sequence.stats.prefill_seconds += seconds
         if fed:
-            self._prefill_token_seconds = moving_average(
-                self._prefill_token_seconds, (time.perf_counter() - started) / fed, COST_SMOOTHING
-            )
+            self._prefill_token_seconds = moving_average(self._prefill_token_seconds, seconds / fed, COST_SMOOTHING)
         sequence.prefilled += fed
 
     def _guarded(self, sequence: _Sequence, work: Callable, *args) -> bool:
@@ -471,7 +456,7 @@ class Scheduler:
             exc_info=(type(error), error, error.__traceback__),
         )
         message = f"generation failed for request {sequence.handle.request_id} ({type(error).__name__}); see the server log"
-        self._finish(sequence, "error", message)
+        self._finish(sequence, "error", message, error)
 
     def _prefill_budget(self, sequence: _Sequence) -> int:
         """Prompt tokens to feed this step while others decode: prefill_budget's, on chunk boundaries where
@@ -515,23 +500,30 @@ class Scheduler:
             else:
                 self.draft.add(row)  # filled when the sequence first drafts
         sequence.prompt_source = None  # copied or not, it is needed no more
-        if self.drafter in ("prompt-lookup", "suffix-index", "composite"):  # lookup state is per sequence
-            sequence.drafter = (
-                composite_lookup() if self.drafter == "composite" else make_drafter(self.drafter, self.target)
-            )
+        if self.new_drafter is not None:  # lookup state is per sequence
+            started = time.perf_counter()
+            sequence.drafter = self.new_drafter()
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
+            sequence.stats.prefill_seconds += time.perf_counter() - started
         self.active.append(sequence)
 
     def _row_of(self, sequence: _Sequence | None) -> int | None:
         """The cache row of an active sequence (by identity); None when it is not decoding."""
         return next((row for row, active in enumerate(self.active) if active is sequence), None)
 
-    def _sources(self) -> list[str]:
-        """Which drafter proposes for each active row this step (composite: lookup where the context recurs)."""
-        if self.drafter != "composite":
-            return [self.drafter] * len(self.active)
-        lookup = [self._try(s, s.drafter.can_propose, s.tokens) for s in self.active]
-        return [s.drafter.source if found else BatchedDraftModel.source for s, found in zip(self.active, lookup)]
+    def _sources(self) -> list[str | None]:
+        """Which drafter proposes for each active row this step (composite: lookup where the context recurs; a
+        library's own drafter: what it says it will use, None where it cannot tell)."""
+        return [self._try(s, self._source_of, s, default=self.drafter) for s in self.active]
+
+    def _source_of(self, sequence: _Sequence) -> str | None:
+        own = sequence.drafter
+        if own is None:
+            return BatchedDraftModel.source if self.draft is not None else self.drafter
+        if self.draft is not None:  # composite: the sequence's lookup where it finds something, else the draft model
+            return own.source if own.can_propose(sequence.tokens) else BatchedDraftModel.source
+        next_source = getattr(own, "next_source", None)
+        return next_source(sequence.tokens) if next_source is not None else getattr(own, "source", None)
 
     def _try(self, sequence: _Sequence, work: Callable, *args, default=None):
         """work(*args) on behalf of an active sequence; if it raises, the sequence is marked faulty (it takes no
@@ -544,7 +536,7 @@ class Scheduler:
             sequence.fault = error
             return default
 
-    def _choose_k(self, batch_size: int, source: str, rows: int) -> tuple[int, bool]:
+    def _choose_k(self, batch_size: int, source: str | None, rows: int) -> tuple[int, bool]:
         """k for the `rows` rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
         if self.drafter == "none":
             return 0, False
@@ -581,7 +573,7 @@ class Scheduler:
         proposals = [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
         seconds: dict[str, float] = {}
         model = BatchedDraftModel.source
-        drafting = [k > 0 and source == model for k, source in zip(k_per_row, sources)]
+        drafting = [k > 0 and source == model and self.draft is not None for k, source in zip(k_per_row, sources)]
         if self.draft is not None and any(drafting) and probing:
             # A probe asks only rows whose draft cache is current (else the first drafting row).
             current = [
@@ -607,11 +599,13 @@ class Scheduler:
                 active[row].fault = error
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
             proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
-        for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
-            if k > 0 and source != model and sequence.fault is None:
+        for row, (sequence, k, source, batched) in enumerate(zip(active, k_per_row, sources, drafting)):
+            if k > 0 and not batched and sequence.drafter is not None and sequence.fault is None:
                 started = time.perf_counter()
-                proposals[row] = self._try(sequence, self._lookup_proposal, sequence, k, default=proposals[row])
-                seconds[source] = seconds.get(source, 0.0) + time.perf_counter() - started
+                proposals[row] = self._try(sequence, self._own_proposal, sequence, k, default=proposals[row])
+                spent = time.perf_counter() - started - proposals[row].catch_up_seconds  # a backlog fed is not drafting
+                name = proposals[row].source or self.drafter
+                seconds[name] = seconds.get(name, 0.0) + spent
         trimmed = []  # a row near its max_tokens keeps only drafts it can still use
         for proposal, k in zip(proposals, k_per_row):
             if proposal.num_tokens > k:
@@ -621,10 +615,14 @@ class Scheduler:
         return trimmed, seconds
 
     @staticmethod
-    def _lookup_proposal(sequence: _Sequence, k: int) -> Proposal:
-        """A sequence's own (model-free) drafter's proposal, cut where its grammar forbids a draft."""
-        proposal = sequence.drafter.propose(sequence.tokens, k, sequence.config.sampling, sequence.generator)
-        return cut_to_grammar(proposal, sequence.grammar)
+    def _own_proposal(sequence: _Sequence, k: int) -> Proposal:
+        """A sequence's own drafter's proposal (a lookup, or a library's drafter), cut where its grammar forbids a
+        draft; a drafter that drafts under a grammar (drafts_under_grammar) is handed it."""
+        drafter, grammar = sequence.drafter, sequence.grammar
+        args = (sequence.tokens, k, sequence.config.sampling, sequence.generator)
+        if grammar is not None and getattr(drafter, "drafts_under_grammar", False):
+            return cut_to_grammar(drafter.propose(*args, grammar), grammar)
+        return cut_to_grammar(drafter.propose(*args), grammar)
 
     def _catch_up_limit(self) -> int | None:
         """Tokens a row far behind in the draft cache may catch up by this step: with others decoding, what
@@ -717,15 +715,16 @@ class Scheduler:
                 drafted_by_position[position] += 1
                 accepted_by_position[position] += position < num_accepted
             stats = sequence.stats
-            stats.drafted_tokens += drafted
-            stats.accepted_tokens += num_accepted
             source = proposal.source or self.drafter
+            stats.record_step(drafted, num_accepted, source)
+            stats.draft_forwards += proposal.forwards
+            stats.draft_seconds += verifying - started
+            stats.verify_seconds += finished_at - verifying
             if drafted and self.k_per_sequence:
                 hits, reached = sequence.position_hits.setdefault(source, ([0] * self.k_max, [0] * self.k_max))
                 for position in range(min(drafted, num_accepted + 1, self.k_max)):
                     reached[position] += 1
                     hits[position] += position < num_accepted
-            stats.target_forwards += 1
             spent = draft_seconds.get(source, 0.0)
             if source == BatchedDraftModel.source and drafted:  # the batch drafted `deepest` positions, this row fewer
                 spent *= drafted / deepest
@@ -819,12 +818,12 @@ class Scheduler:
             sequence.last_emit = now
             if self.metrics is not None:
                 self.metrics.tokens_generated(len(added))
-        stats.completion_tokens = sequence.generated
+        stats.new_tokens = sequence.generated
         if finish_reason is not None:
             stats.total_seconds = now - sequence.submitted
         released = text.release(final=finish_reason is not None)
         kept = None if logprobs is None else logprobs[: len(added)]  # tokens past max_tokens or eos are dropped
-        sequence.handle._put(SequenceEvent(released, added, finish_reason, dataclasses.replace(stats), logprobs=kept))
+        sequence.handle._put(SequenceEvent(released, added, finish_reason, stats.snapshot(), logprobs=kept))
         return finish_reason
 
     def _retire(self, sequences: list[_Sequence], reason: str, emitted: bool = False) -> None:
@@ -853,11 +852,13 @@ class Scheduler:
         self.active = survivors
         self._report_queue()
 
-    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, sequence: _Sequence, reason: str, error: str | None = None, exception: BaseException | None = None
+    ) -> None:
         """End a sequence that has not sent its final event yet (cancelled, or "error" with a message)."""
         stats = sequence.stats
         stats.total_seconds = time.perf_counter() - sequence.submitted
-        sequence.handle._put(SequenceEvent("", [], reason, dataclasses.replace(stats), error))
+        sequence.handle._put(SequenceEvent("", [], reason, stats.snapshot(), error, exception=exception))
         if self.metrics is not None:
             self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
 
@@ -959,11 +960,17 @@ def build_scheduler(
     if drafter not in SERVED_DRAFTERS:
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
     target_model = load_model(target, dtype, progress, quantize)
-    draft_model = None
-    if drafter in MODEL_DRAFTERS:
+    draft_model, sequence_drafter = None, None
+    if drafter in MODEL_DRAFTERS or drafter == "cross-tokenizer":
         if draft is None or draft.lower() == "none":
             raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+    if drafter in MODEL_DRAFTERS:
         draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress).model
+    elif drafter == "cross-tokenizer":  # each sequence re-encodes text its own way: its own drafter, one shared model
+        loaded = make_drafter(drafter, target_model, draft, dtype, draft_quantize, progress=progress).draft
+
+        def sequence_drafter() -> Drafter:
+            return CrossTokenizerDrafter(loaded, target_model)
     limits = dataclasses.replace(
         limits, max_context=min(limits.max_context, target_model.model.config.max_position_embeddings)
     )
@@ -973,4 +980,6 @@ def build_scheduler(
         pass  # such requests get the reason as a 400
     if chunked_prefill is None:
         chunked_prefill = target_model.model.batch_invariant
-    return Scheduler(target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence)
+    return Scheduler(
+        target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence, sequence_drafter
+    )

@@ -1,9 +1,14 @@
 """Chain drafting for a whole batch: one draft-model forward per draft position for all sequences.
 
+The one draft-model implementation: the scheduler drafts for its rows with it, and `DraftModelDrafter`
+(a single request's drafter) is a batch of one of it. Because any draft distribution q is allowed
+(verification corrects for it), the draft may be made cheaper than its checkpoint: weight-only
+quantization and a restricted output vocabulary (q is zero elsewhere) keep the output exactly the
+target's, and only change how often drafts are accepted.
+
 Row b of the draft cache belongs to the sequence in row b of the target cache; the scheduler keeps
-both compact (active sequences in rows 0 .. n-1) and moves rows together. Like the single-request
-`DraftModelDrafter`, each row rolls itself back to the longest prefix it shares with the committed
-tokens, so rejected drafts need no separate call.
+both compact (active sequences in rows 0 .. n-1) and moves rows together. Each row rolls itself back
+to the longest prefix it shares with the committed tokens, so rejected drafts need no separate call.
 
 Rows are filled lazily: a sequence's prompt and everything committed since its last proposal go
 into its draft cache only when it drafts next. In a batch too big for speculation to pay, the
@@ -29,8 +34,6 @@ class BatchedDraftModel:
     source = "draft-model"
 
     def __init__(self, model: Transformer, target_vocab_size: int, max_batch_size: int, capacity: int) -> None:
-        if model.output_token_ids is not None:
-            raise ValueError("batched drafting needs the draft's full output vocabulary")
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.cache = model.new_cache(max_batch_size, capacity)
@@ -52,6 +55,12 @@ class BatchedDraftModel:
         self.cache.copy_prefix(source, destination, length)
         self.cached_tokens[destination] = self.cached_tokens[source][:length]
         self.known_committed[destination] = length
+
+    def prefill(self, row: int, token_ids: list[int]) -> None:
+        """Feed a new sequence's committed tokens (its prompt but the last token) to `row` now, not at its first proposal."""
+        self.model.prefill(token_ids, self.cache.rows(row, row + 1))
+        self.cached_tokens[row].extend(token_ids)
+        self.known_committed[row] = len(self.cached_tokens[row])
 
     def behind(self, row: int, tokens: list[int]) -> int:
         """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
@@ -116,21 +125,35 @@ class BatchedDraftModel:
         extra = self.target_vocab_size - probs.shape[-1]
         return torch.nn.functional.pad(probs, (0, extra)) if extra > 0 else probs[..., : self.target_vocab_size]
 
+    def _scores_over_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V',) draft scores -> indexed by target ids: unchanged unless the head covers a subset of the vocabulary
+        (then (V,), -inf elsewhere), so penalties, logit_bias and a grammar find each token where it is."""
+        ids = self.model.output_token_ids
+        if ids is None:
+            return logits
+        full = torch.full((self.target_vocab_size,), float("-inf"), dtype=logits.dtype)
+        full[ids] = logits
+        return full
+
     def _draw(
         self, b: int, i: int, logits: torch.Tensor, tokens: list[int], drafted: torch.Tensor,
         params: SamplingParams, generator: torch.Generator | None, grammar: Grammar | None,
         probs: list[torch.Tensor], prompt_lengths: list[int] | None,
     ) -> int:
         """Row b's draft token at position i from its draft scores (V',); its q (V,) appended to probs when sampling."""
-        allowed = fit_mask(grammar.allowed(), logits.shape[-1]) if grammar is not None else None  # (V',)
-        if params.greedy and allowed is None and not params.transforms_scores:
+        ids = self.model.output_token_ids  # a restricted head: draft position j is target id ids[j]
+        if params.greedy and grammar is None and not params.transforms_scores:
+            if ids is not None:
+                return int(ids[int(torch.argmax(logits))])
             return int(torch.argmax(logits[: self.target_vocab_size]))
+        scores = self._scores_over_target_ids(logits)  # (V'',)
+        allowed = fit_mask(grammar.allowed(), scores.shape[-1]) if grammar is not None else None  # (V'',)
         history = None
         if params.penalized:
             if prompt_lengths is None:
                 raise ValueError("penalized sampling needs each row's prompt length")
             history = TokenHistory(tokens + drafted[b, :i].tolist(), prompt_lengths[b])
-        q = self._to_target_vocab(logits_to_probs(logits, params, allowed, history))  # (V,)
+        q = self._to_target_vocab(logits_to_probs(scores, params, allowed, history))  # (V,)
         if not params.greedy:
             probs.append(q)
         return int(sample(q[None], generator)[0])
@@ -168,7 +191,7 @@ class BatchedDraftModel:
             for b, seq in enumerate(tokens)
         ]
         drafting = [wants and tail is not None for wants, tail in zip(drafting, tails)]
-        self.catch_up_seconds = time.perf_counter() - started
+        self.catch_up_seconds = time.perf_counter() - started if self.catch_up_tokens else 0.0
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         logits = self._feed(tails)  # (n, V')

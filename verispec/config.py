@@ -1,0 +1,39 @@
+"""What one request asks for: its length, sampling, stops, drafting and constraints (library and server alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0  # same seed and settings with a fixed k: same output (auto's k depends on timing)
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
+    k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
+    k_max: int = 8  # the longest draft "auto" considers
+    logprobs: int | None = None  # served: each emitted token's log-probability and this many alternatives
+    json_schema: dict | None = None  # structured output: the completion is one JSON document valid under it
+    lark_grammar: str | None = None  # or a grammar in llguidance's Lark syntax (served tool calls use one)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k != "auto" and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
+            raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be None or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
+        if self.json_schema is not None and self.lark_grammar is not None:
+            raise ValueError("give a json_schema or a lark_grammar, not both")
+        if (self.json_schema is not None or self.lark_grammar is not None) and self.eos_token_ids == ():
+            raise ValueError("structured output ends with an end-of-sequence id: it cannot ignore them (ignore_eos)")
+
+    @property
+    def longest_draft(self) -> int:
+        return self.k_max if self.k == "auto" else self.k
