@@ -214,3 +214,19 @@ def test_bad_requests_are_clear_errors(target):
         GenerationConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="k"):
         GenerationConfig(k=-1)
+
+
+def test_library_logprobs_are_the_targets_for_every_token_accepted_drafts_included(target, other):
+    """GenerationConfig.logprobs, once accepted and ignored by the library, now returns what the server does."""
+    spec = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size))  # drafts accepted
+    prompt_ids = target.encode("def add(a, b):")
+    result = spec.generate(prompt_ids, GenerationConfig(max_new_tokens=20, k=3, logprobs=2))
+    assert result.stats.accepted_tokens > 0
+    assert [entry.token_id for entry in result.logprobs] == result.token_ids
+    cache = target.model.new_cache(1, len(prompt_ids) + len(result.token_ids) + 1)
+    logits = target.model.forward(torch.tensor([prompt_ids + result.token_ids[:-1]]), cache)[0]
+    reference = torch.log_softmax(logits[len(prompt_ids) - 1 :].float(), dim=-1)  # (T, V)
+    for position, entry in enumerate(result.logprobs):
+        assert entry.logprob == pytest.approx(float(reference[position, entry.token_id]), abs=1e-4)
+        assert len(entry.top) == 2 and entry.top[0][1] == pytest.approx(float(reference[position].max()), abs=1e-4)
+    assert spec.generate(prompt_ids, GenerationConfig(max_new_tokens=5)).logprobs is None

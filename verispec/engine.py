@@ -11,7 +11,7 @@ same step is plain autoregressive decoding, through the same model code.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 from verispec.config import GenerationConfig

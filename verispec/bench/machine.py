@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.cpu import cpu_flags
+from verispec.models.machine import cpu_flags, cpu_supports_bfloat16
 
 
 # The instruction sets that decide which matrix kernels are fastest (Intel Xeons advertise AMX, AMD EPYC does not).
@@ -37,8 +37,6 @@ def machine_description() -> dict:
                 memory_gib = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    from verispec.models.loading import cpu_supports_bfloat16
-
     return {
         "cpu": cpu,
         "cpu_family_model": f"{family_model.get('cpu family', '?')}/{family_model.get('model', '?')}",

@@ -14,7 +14,8 @@ from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models import w4a8
 from verispec.models.linear import FORMATS, measure_formats, w4a8_choice, w8a8_available
-from verispec.models.loading import LoadedModel, build_kernel, load_model, remembered_choice
+from verispec.models.loading import LoadedModel, build_kernel, load_model
+from verispec.models.machine import remembered_choice
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models import w4a8
+from verispec.models.machine import remembered_choice
 
 FORMATS = ("none", "w4a8", "w8a8", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *FORMATS)  # what `--quantize` takes
@@ -375,7 +376,6 @@ def w4a8_choice(dtype: torch.dtype, seconds: dict[str, float] | None = None) -> 
     computes the same integers, so the outputs are the same. Where oneDNN's sums are not exact
     (onednn_int8_exact), the kernel runs every pass.
     """
-    from verispec.models.loading import remembered_choice  # (loading imports this module)
 
     def measure() -> dict:
         candidates = tuple(f"w4a8-{kind}" for kind in reversed(w4a8_long_pass_kinds()))  # the likely fastest first

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import shutil
 import time
 import warnings
@@ -23,7 +22,7 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
-from verispec.models.cpu import cpu_flags
+from verispec.models.machine import cache_root, cpu_supports_bfloat16, remembered_choice
 from verispec.models import w4a8
 from verispec.models.linear import (
     BATCH_INVARIANT_FORMATS, FormatChoice, auto_candidates, choose_format, w4a8_long_pass_kinds,
@@ -82,18 +81,6 @@ class LoadedModel:
             raise ValueError(f"model {self.name!r} has no chat template; drop --chat and pass the raw prompt")
         messages = [{"role": "user", "content": user_message}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def cache_root() -> Path:
-    if os.environ.get("VERISPEC_CACHE"):
-        return Path(os.environ["VERISPEC_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "verispec"
-
-
-def cpu_supports_bfloat16() -> bool:
-    """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 is ~2x f32."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -327,34 +314,6 @@ def load_model(
         )
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
-
-
-FORMAT_CHOICES_FILE = "format-choices.json"
-
-
-def remembered_choice(kind: str, measure) -> dict:
-    """What `measure()` (a JSON-able dict) chose for `kind` the first time on this machine.
-
-    `auto` formats are timed once per machine, CPU and torch version and then kept in the cache
-    (delete format-choices.json there to time again): the same command then loads the same model
-    every time, which timing noise between two close formats would not promise, and skips the timing.
-    """
-    from verispec.bench.machine import machine_description
-
-    machine = machine_description()
-    key = f"{kind} | {machine['cpu']} | {machine['cores']} cores | torch {torch.__version__}"
-    path = cache_root() / FORMAT_CHOICES_FILE
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if key not in table:
-        table[key] = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
-        scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
-    return table[key]
 
 
 def resolve_format(quantize: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.cpu import cpu_flags
+from verispec.models.machine import cache_root, cpu_flags
 
 GROUP_SIZE = 32  # inputs sharing one integer multiplier and offset
 COLUMNS = 16  # output columns per packed block
@@ -87,8 +87,6 @@ def unavailable_reason() -> str | None:
 
 
 def _build_directory() -> Path:
-    from verispec.models.loading import cache_root
-
     sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     recipe = sources + " ".join([*compile_flags(), torch.__version__]).encode()
     digest = hashlib.sha256(recipe).hexdigest()[:12]

@@ -1,0 +1,83 @@
+"""Facts about this machine that the models depend on: its CPU, its cache directory, and the choices timed on it.
+
+The one place for them (loading, the kernels, the formats and the benchmarks' machine description all read
+them here), so no module imports a higher layer for a CPU flag or the cache root.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+FORMAT_CHOICES_FILE = "format-choices.json"
+
+
+@functools.cache
+def _cpuinfo_block() -> dict[str, str]:
+    """The first CPU's block of /proc/cpuinfo, key -> value; empty where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    block: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if block:
+                break  # the first CPU's block is enough
+            continue
+        key, _, value = (part.strip() for part in line.partition(":"))
+        block.setdefault(key, value)
+    return block
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of the first CPU in /proc/cpuinfo; empty where there is none."""
+    return frozenset(_cpuinfo_block().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name with its family/model numbers: "AMD EPYC" alone names Zen 2, 3, 4 and 5 alike."""
+    block = _cpuinfo_block()
+    name = block.get("model name") or "unknown CPU"
+    return f"{name} ({block.get('cpu family', '?')}/{block.get('model', '?')})"
+
+
+def cpu_supports_bfloat16() -> bool:
+    """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 is ~2x f32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cache_root() -> Path:
+    """$VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec."""
+    if os.environ.get("VERISPEC_CACHE"):
+        return Path(os.environ["VERISPEC_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "verispec"
+
+
+def remembered_choice(kind: str, measure: Callable[[], dict]) -> dict:
+    """What `measure()` (a JSON-able dict) chose for `kind` the first time on this machine.
+
+    `auto` formats are timed once per CPU model, core count and torch version (kind names the rest: the
+    candidates, the kernel's digest, the model's shape) and then kept in the cache (delete
+    format-choices.json there to time again): the same command then loads the same model every time,
+    which timing noise between two close formats would not promise, and skips the timing.
+    """
+    key = f"{kind} | {cpu_model()} | {os.cpu_count()} cores | torch {torch.__version__}"
+    path = cache_root() / FORMAT_CHOICES_FILE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
+        scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
+    return table[key]
