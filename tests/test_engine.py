@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
+from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
 from verispec.serving import scheduler as step_module  # the one step both paths run
 from verispec.drafters import DraftModelDrafter
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
-from verispec.sampling import SamplingParams, logits_to_probs
-from verispec.verify import VerifyResult
+from verispec.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):", "The quick brown", "for i in range(10):\n", "class"]
 
@@ -79,45 +78,6 @@ def test_same_seed_reproduces_and_seeds_differ(target, other):
     assert runs[0] != runs[2]
 
 
-def exact_two_token_law(target, prompt_ids, sampling):
-    """Exact joint law of the first two sampled tokens under plain decoding, (V, V)."""
-    model = target.model
-    cache = model.new_cache(1, len(prompt_ids) + 2)
-    p1 = logits_to_probs(model.forward(torch.tensor([prompt_ids]), cache)[0, -1], sampling)  # (V,)
-    vocab = p1.shape[0]
-    batch = torch.tensor([prompt_ids] * vocab)  # (V, T)
-    seconds = torch.cat([batch, torch.arange(vocab)[:, None]], dim=1)  # (V, T + 1)
-    logits = model.forward(seconds, model.new_cache(vocab, seconds.shape[1] + 1), last_only=True)[:, 0]
-    p2 = logits_to_probs(logits, sampling)  # (V, V): row t1 is p(t2 | t1)
-    return p1[:, None] * p2
-
-
-def two_token_frequencies(engine, prompt_ids, sampling, runs, k=3):
-    counts = Counter()
-    for seed in range(runs):
-        ids = engine.generate(prompt_ids, greedy(max_new_tokens=2, k=k, sampling=sampling, seed=seed)).token_ids
-        counts[tuple(ids)] += 1
-    return counts
-
-
-def marginal_matches(frequencies: torch.Tensor, p: torch.Tensor, runs: int) -> bool:
-    """Each token within 5 sigma, and total variation within 1.5x its expected sampling noise."""
-    sigma = (p * (1 - p) / runs).sqrt().clamp(min=1 / runs)  # (V,)
-    if bool(((frequencies - p).abs() > 5 * sigma).any()):
-        return False
-    expected_tv = 0.5 * float((2 * p * (1 - p) / (torch.pi * runs)).sqrt().sum())
-    return 0.5 * float((frequencies - p).abs().sum()) < 1.5 * expected_tv + 0.01
-
-
-def law_matches(counts: Counter, law: torch.Tensor, runs: int) -> bool:
-    """The first token, the second token, and every (first, second) pair follow the exact law."""
-    joint = torch.zeros_like(law)  # (V, V) empirical
-    for (first, second), n in counts.items():
-        joint[first, second] = n / runs
-    pairs_ok = bool(((joint - law).abs() <= 5 * (law * (1 - law) / runs).sqrt().clamp(min=1 / runs)).all())
-    return pairs_ok and marginal_matches(joint.sum(1), law.sum(1), runs) and marginal_matches(joint.sum(0), law.sum(0), runs)
-
-
 @pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup", "cross-tokenizer"])
 def test_sampled_output_follows_the_target_distribution(target, other, tiny_llama_dir, repeating_prompt, drafter_kind):
     """Through the whole engine, two sampled tokens follow plain decoding's exact law.
@@ -149,13 +109,6 @@ def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, 
     runs = 1500
     assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs, k="auto"), law, runs)
     assert len(spec.controller(8).chosen) > 1  # it really varied k
-
-
-def accept_all(draft_token_ids, draft_probs, target_probs, generator=None):
-    """A broken verifier for negative controls: keeps every draft, then a bonus token from p."""
-    rows, k = draft_token_ids.shape
-    bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # (B, 1)
-    return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((rows,), k))
 
 
 def test_negative_control_accept_all_fails_the_same_check(target, other, repeating_prompt, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import verispec.serving.scheduler as scheduler_module
-from test_verify import accept_all_verifier, frequency_mismatch
+from laws import accept_all_verifier, exact_law, frequencies_against
 from verispec.drafters import DraftModelDrafter
 from verispec.drafters.base import Proposal
 from verispec.engine import GenerationConfig, SpeculativeEngine
@@ -50,37 +50,6 @@ BENCH_SCHEMAS = json.loads((Path(__file__).parents[1] / "benchmarks/workloads/js
 @pytest.fixture(scope="module")
 def draft(other_tiny_dir):
     return load_model(str(other_tiny_dir), "float32")
-
-
-def exact_law(target, prompt_ids: list[int], schema: dict) -> dict[tuple[int, ...], float]:
-    """Probability of every whole document (token ids up to and including eos) under the masked target."""
-    grammar = grammar_for(target, schema)
-    model = target.model
-    law: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: list[int], mass: float) -> None:
-        ids = prompt_ids + prefix
-        logits = model.forward(torch.tensor([ids]), model.new_cache(1, len(ids) + 1))[0, -1]  # (V,)
-        p = logits_to_probs(logits, SamplingParams(temperature=1.0), grammar.allowed())  # (V,)
-        for token in p.nonzero().flatten().tolist():
-            if token in target.eos_token_ids:
-                law[tuple(prefix + [token])] = mass * float(p[token])
-                continue
-            grammar.advance([token])
-            walk(prefix + [token], mass * float(p[token]))
-            grammar.rollback(1)
-
-    walk([], 1.0)
-    return law
-
-
-def frequencies_against(law: dict[tuple[int, ...], float], outputs: list[tuple[int, ...]]) -> str | None:
-    """frequency_mismatch over documents; an output outside the law's support gets its own code."""
-    documents = sorted(law)
-    index = {document: i for i, document in enumerate(documents)}
-    probs = torch.tensor([law[d] for d in documents] + [0.0], dtype=torch.float64)  # (M + 1,) last: outside
-    samples = torch.tensor([index.get(o, len(documents)) for o in outputs])
-    return frequency_mismatch(samples, probs / probs.sum())
 
 
 SAMPLED = SamplingParams(temperature=1.0)

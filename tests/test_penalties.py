@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import verispec.sampling as sampling
-from test_verify import frequency_mismatch
+from laws import frequency_mismatch
 from verispec.drafters import DraftModelDrafter, PromptLookupDrafter
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model

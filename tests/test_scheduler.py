@@ -328,7 +328,7 @@ def batched_two_token_counts(target, draft, prompt_ids, sampling, runs: int, k) 
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_batched_sampling_follows_the_target_distribution(target, draft, repeating_prompt, k):
     """Rows verified together, each with its own q and generator, still emit plain decoding's exact law."""
-    from test_engine import exact_two_token_law, law_matches
+    from laws import exact_two_token_law, law_matches
 
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)
@@ -338,7 +338,7 @@ def test_batched_sampling_follows_the_target_distribution(target, draft, repeati
 
 
 def test_negative_control_accept_all_in_the_batch_fails(target, draft, repeating_prompt, monkeypatch):
-    from test_engine import accept_all, exact_two_token_law, law_matches
+    from laws import accept_all, exact_two_token_law, law_matches
 
     import verispec.serving.scheduler as scheduler_module
 
@@ -494,7 +494,7 @@ def target_in(tiny_dir, quantize: str):
 
 
 def test_k_per_sequence_sampling_follows_the_target_distribution(target, draft, repeating_prompt):
-    from test_engine import exact_two_token_law, law_matches
+    from laws import exact_two_token_law, law_matches
 
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)

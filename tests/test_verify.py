@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from laws import accept_all_verifier, frequency_mismatch
 from verispec.verify import PAD_ID, VerifyResult, verify
 
 NUM_DRAWS = 60_000  # rows per statistical check; each row is one independent verification
@@ -116,39 +117,6 @@ def law_as_tensor(law: dict[tuple[int, ...], float], vocab_size: int, width: int
     return probs
 
 
-def frequency_mismatch(samples: torch.Tensor, probs: torch.Tensor) -> str | None:
-    """Describe how samples (N,) of ids in [0, M) disagree with the law probs (M,); None if they agree.
-
-    Three checks, each tight enough that a fixed-seed honest run passes with huge margin:
-    no sample where probs is 0; every outcome's count within 5 sigma (+5 counts of slack for
-    near-empty outcomes) of N * probs; and a chi-square test over outcomes, with expected
-    counts below 5 pooled, at p-value 1e-6.
-    """
-    num, size = samples.shape[0], probs.shape[0]
-    if ((samples < 0) | (samples >= size)).any():
-        return "sample outside the support"
-    counts = torch.bincount(samples, minlength=size).double()  # (M,)
-    expected = num * probs.double()  # (M,)
-    if (counts[expected == 0] > 0).any():
-        impossible = torch.nonzero((expected == 0) & (counts > 0)).flatten().tolist()
-        return f"outcomes of probability 0 were drawn: {impossible}"
-    sigma = (expected * (1 - probs.double())).sqrt()  # (M,) binomial standard deviation of a count
-    worst = ((counts - expected).abs() - 5 * sigma).max()
-    if worst > 5:
-        return f"a count is {float(worst):.1f} beyond 5 sigma: counts {counts.tolist()}, expected {expected.tolist()}"
-    big = expected >= 5  # (M,)
-    observed_bins = torch.cat([counts[big], counts[~big].sum().reshape(1)])  # (M' + 1,)
-    expected_bins = torch.cat([expected[big], expected[~big].sum().reshape(1)])  # (M' + 1,)
-    nonempty = expected_bins > 0
-    chi2 = (((observed_bins - expected_bins) ** 2)[nonempty] / expected_bins[nonempty]).sum()
-    dof = int(nonempty.sum()) - 1
-    if dof > 0:
-        p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))
-        if p_value < 1e-6:
-            return f"chi-square {float(chi2):.1f} on {dof} degrees of freedom, p-value {p_value:.2e}"
-    return None
-
-
 def run_verify(verifier, p: torch.Tensor, q: torch.Tensor, point_mass: bool, seed: int) -> VerifyResult:
     """Run NUM_DRAWS independent verifications of drafts drawn from q (k, V) against p (k+1, V)."""
     drafts = draw_drafts(q, NUM_DRAWS, seed)  # (N, k)
@@ -158,13 +126,6 @@ def run_verify(verifier, p: torch.Tensor, q: torch.Tensor, point_mass: bool, see
 
 
 # ---- negative controls: broken on purpose ----------------------------------------------------
-
-
-def accept_all_verifier(draft_token_ids, draft_probs, target_probs, generator=None) -> VerifyResult:
-    """BROKEN on purpose: accepts every draft and adds a bonus token from p_k."""
-    num_rows, k = draft_token_ids.shape
-    bonus = torch.multinomial(target_probs[:, k].float(), 1, generator=generator)  # (B, 1)
-    return VerifyResult(torch.cat([draft_token_ids, bonus], dim=1), torch.full((num_rows,), k))
 
 
 def resample_from_p_verifier(draft_token_ids, draft_probs, target_probs, generator=None) -> VerifyResult:
