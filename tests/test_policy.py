@@ -219,3 +219,57 @@ def test_a_rows_acceptance_starts_at_its_sources_and_moves_to_its_own():
     assert controller.row_acceptance("s", [0, 0], [0, 0]) == [0.5, 0.5]
     rates = controller.row_acceptance("s", [ROW_PRIOR_STEPS, 0], [ROW_PRIOR_STEPS, ROW_PRIOR_STEPS])
     assert rates == [0.75, 0.25]
+
+
+class NeverAgrees:
+    """A drafter whose drafts are always rejected (a token greedy decoding never picks here): free to ask."""
+
+    source = "never-agrees"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def begin(self, prompt_ids, max_length):
+        pass
+
+    def propose(self, tokens, k, params, generator):
+        import torch
+
+        from verispec.drafters.base import Proposal
+
+        return Proposal(torch.full((1, k), self.token, dtype=torch.long), None, source=self.source)
+
+
+@pytest.mark.parametrize("path", ["library", "server"])
+def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, path):
+    """Step for step, plain: every target forward yields one token, and drafts are only the probes that notice a
+    change (the first steps, then one token every probe_every steps), in the library and the server alike."""
+    from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+    target = load_model(str(tiny_dir), "float32")
+    prompt = target.encode("def add(a, b):\n")
+    new_tokens = 200
+    config = GenerationConfig(max_new_tokens=new_tokens, k="auto", eos_token_ids=())  # the whole length
+    plain = SpeculativeEngine(target).generate(prompt, config).token_ids
+    never = next(token for token in range(target.model.vocab_size) if token not in plain)
+    if path == "library":
+        result = SpeculativeEngine(target, NeverAgrees(never)).generate(prompt, config)
+        tokens, stats = result.token_ids, result.stats
+    else:
+        scheduler = Scheduler(
+            target, None, "never-agrees", k="auto", limits=SchedulerLimits(max_batch_size=2, max_context=256),
+            sequence_drafter=lambda: NeverAgrees(never), synchronous=True,
+        )
+        handle = scheduler.submit(prompt, config)
+        while scheduler.run_once():
+            pass
+        events = list(handle.iter_events())
+        tokens, stats = [t for e in events for t in e.token_ids], events[-1].stats
+    assert tokens == plain
+    assert stats.accepted_tokens == 0 and stats.target_forwards == new_tokens  # one token a forward, as plain
+    # Learning that the drafts fail (acceptance falls from its prior by 15% a step: ~20 steps), then a k = 1 probe
+    # every probe_every plain steps; every other step is a plain one.
+    probes = new_tokens // ControllerSettings().probe_every
+    drafting_steps = new_tokens - stats.k_histogram.get(0, 0)
+    assert 0 < drafting_steps <= 25 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
+    assert stats.k_histogram.get(1, 0) >= probes // 2, stats.k_histogram

@@ -46,6 +46,9 @@ class ControllerSettings:
     prior_acceptance: float = 0.7  # optimistic start, so speculation is tried before it is judged
     probe_every: int = 8  # after this many plain steps in a row (times the batch size), try k = 1 once
     first_k: int = 4  # k of the very first step, before anything was measured
+    # Drafting must be expected to beat plain decoding by this much: where the verify pass costs about the same
+    # for 1 and k + 1 tokens, noise in two measured costs would otherwise keep drafts that are almost never accepted.
+    min_gain: float = 0.05
 
 
 ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
@@ -105,6 +108,7 @@ class AdaptiveController:
         draft = _interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
         if verify is None or draft is None:
             return None
+        verify = max(verify, self._verify_seconds(batch_size))  # a wider forward is never cheaper (noise aside)
         extra, reach = 0.0, 1.0
         acceptance = averages.acceptance()
         for i in range(k):
@@ -137,7 +141,9 @@ class AdaptiveController:
             if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
                 k = self.settings.first_k
             else:
-                k = max(rates)[1]
+                best_rate, k = max(rates)
+                if k > 0 and best_rate < (1 + self.settings.min_gain) * rates[0][0]:
+                    k = 0  # within noise of plain decoding: a measured gain this small is no gain
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 self.plain_streak += 1
                 # A probe drafts for every sequence in the batch, so a big batch probes less often.
