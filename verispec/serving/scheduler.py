@@ -599,8 +599,9 @@ class Scheduler:
                 active[row].fault = error
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
             proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
-        for row, (sequence, k, source, batched) in enumerate(zip(active, k_per_row, sources, drafting)):
-            if k > 0 and not batched and sequence.drafter is not None and sequence.fault is None:
+        for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
+            own = source != model or self.draft is None  # else the batched draft model drafts for it, or nothing does
+            if k > 0 and own and sequence.drafter is not None and sequence.fault is None:
                 started = time.perf_counter()
                 proposals[row] = self._try(sequence, self._own_proposal, sequence, k, default=proposals[row])
                 spent = time.perf_counter() - started - proposals[row].catch_up_seconds  # a backlog fed is not drafting
