@@ -134,8 +134,8 @@ class TextStream:
         events = self.handle._sync_queue
         while True:
             self.scheduler.run_once()  # admission (the first time), then one step
-            released = []
-            while True:
+            released, finish_reason = [], None
+            while finish_reason is None:
                 try:
                     event = events.get_nowait()
                 except queue.Empty:
@@ -145,14 +145,13 @@ class TextStream:
                 self._token_ids.extend(event.token_ids)
                 self._logprobs.extend(event.logprobs or [])
                 released.append(event.text)
-                self.stats = event.stats
-                if event.finish_reason is not None:
-                    self._text.extend(released)
-                    logprobs = self._logprobs if self.wants_logprobs else None
-                    self.result = GenerationResult(
-                        "".join(self._text), list(self._token_ids), self.stats, event.finish_reason, logprobs
-                    )
-                    yield "".join(released)
-                    return
+                self.stats, finish_reason = event.stats, event.finish_reason
             self._text.extend(released)
+            if finish_reason is not None:
+                logprobs = self._logprobs if self.wants_logprobs else None
+                self.result = GenerationResult(
+                    "".join(self._text), list(self._token_ids), self.stats, finish_reason, logprobs
+                )
             yield "".join(released)
+            if finish_reason is not None:
+                return

@@ -136,11 +136,12 @@ class BatchedDraftModel:
         return full
 
     def _draw(
-        self, b: int, i: int, logits: torch.Tensor, tokens: list[int], drafted: torch.Tensor,
-        params: SamplingParams, generator: torch.Generator | None, grammar: Grammar | None,
-        probs: list[torch.Tensor], prompt_lengths: list[int] | None,
+        self, logits: torch.Tensor, tokens: list[int], drafted: torch.Tensor, params: SamplingParams,
+        generator: torch.Generator | None, grammar: Grammar | None, probs: list[torch.Tensor],
+        prompt_length: int | None,
     ) -> int:
-        """Row b's draft token at position i from its draft scores (V',); its q (V,) appended to probs when sampling."""
+        """A row's next draft token from its draft scores (V',), after its committed `tokens` and the (i,) tokens it
+        `drafted` so far; its q (V,) appended to probs when sampling."""
         ids = self.model.output_token_ids  # a restricted head: draft position j is target id ids[j]
         if params.greedy and grammar is None and not params.transforms_scores:
             if ids is not None:
@@ -150,9 +151,9 @@ class BatchedDraftModel:
         allowed = fit_mask(grammar.allowed(), scores.shape[-1]) if grammar is not None else None  # (V'',)
         history = None
         if params.penalized:
-            if prompt_lengths is None:
+            if prompt_length is None:
                 raise ValueError("penalized sampling needs each row's prompt length")
-            history = TokenHistory(tokens + drafted[b, :i].tolist(), prompt_lengths[b])
+            history = TokenHistory(tokens + drafted.tolist(), prompt_length)
         q = self._to_target_vocab(logits_to_probs(scores, params, allowed, history))  # (V,)
         if not params.greedy:
             probs.append(q)
@@ -207,8 +208,10 @@ class BatchedDraftModel:
                     lengths[b] = i
                     continue
                 try:
-                    drafted[b, i] = self._draw(b, i, logits[b], tokens[b], drafted, params[b], generators[b],
-                                               grammar, probs[b], prompt_lengths)
+                    drafted[b, i] = self._draw(
+                        logits[b], tokens[b], drafted[b, :i], params[b], generators[b], grammar, probs[b],
+                        prompt_lengths[b] if prompt_lengths is not None else None,
+                    )
                     if grammar is not None:
                         grammar.advance([int(drafted[b, i])])
                 except Exception as error:  # noqa: BLE001 - this row's failure is its own (see faults)

@@ -439,14 +439,13 @@ class Scheduler:
         sequence.prefilled += fed
 
     def _guarded(self, sequence: _Sequence, work: Callable, *args) -> bool:
-        """Run work(*args) on one sequence's behalf; if it raises, end that sequence alone (not yet in
-        `active`) with an error event and return False."""
-        try:
-            work(*args)
-            return True
-        except Exception as error:  # noqa: BLE001 - one request's failure is its own
-            self._end_with_fault(sequence, error)
+        """Run work(*args) on behalf of a sequence not yet in `active` (see _try); if it raises, end that
+        sequence alone with an error event and return False."""
+        self._try(sequence, work, *args)
+        if sequence.fault is not None:
+            self._end_with_fault(sequence, sequence.fault)
             return False
+        return True
 
     def _end_with_fault(self, sequence: _Sequence, error: BaseException) -> None:
         """Log a sequence's failure with its traceback and end it with an error event naming its request id
