@@ -7,7 +7,7 @@ THREADS ?= 2
 # The CPU build of torch lies on disk here; without it pip would fetch a multi-GB CUDA build.
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install models demo test test-fast bench peers clean
+.PHONY: install models demo test test-fast bench peers tables clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -35,13 +35,19 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
-# The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores.
+# The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
+# benchmarks/results/<this machine's kind>/; then `make tables`.
 bench: models
-	bash benchmarks/run.sh
+	bash benchmarks/scripts/run.sh
 
-# The peers of benchmarks/peers (llama.cpp built from source, vLLM for CPU), each in its own folder.
+# The peers of benchmarks/results/xeon/peers (llama.cpp built from source, vLLM for CPU), each in its own folder
+# under benchmarks/scripts/peers/.
 peers: models
-	bash benchmarks/peers/setup.sh
+	bash benchmarks/scripts/peers/setup.sh
+
+# benchmarks/results/<kind>/TABLE.md, one per machine kind, from the results' run.json and results.json files.
+tables: install
+	$(PY) benchmarks/scripts/tables.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

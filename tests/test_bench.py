@@ -75,6 +75,7 @@ def test_bench_end_to_end_on_tiny_models(tmp_path, tiny_dir, other_tiny_dir, cap
     assert by_mode["hf-plain"]["identical_to_baseline"] == 1.0  # our model code matches transformers
     assert len(by_mode["spec-k4"]["acceptance_by_position"]) == 4
     assert len(results["prompts"]) == 2 and results["command"].startswith("verispec bench")
+    assert "commit" in results and results["machine_kind"]  # where it came from (benchmarks/results/<kind>/)
     assert "plain" in capsys.readouterr().out
 
 

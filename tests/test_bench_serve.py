@@ -106,6 +106,7 @@ def test_bench_serve_starts_servers_per_turn_counts_errors_and_skips_what_cannot
     results = json.loads((out / "results.json").read_text())
     assert [s["server"] for s in results["summaries"]] == ["stub", "stub"]
     assert results["meta"]["skipped"] == {"nope": "exited with code 3 before serving: peer: skipped: no AVX-512 here"}
+    assert "commit" in results["meta"] and results["meta"]["machine_kind"]  # where it came from
     for summary, raw in zip(results["summaries"], results["raw"]):
         served = summary["requests"] - summary["errors"]
         assert summary["requests"] == 5 * summary["concurrency"]

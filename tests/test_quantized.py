@@ -175,7 +175,8 @@ def test_stays_close_to_dense(tiny_dir, weight_format):
     a, b = fresh_logits(dense, ids), fresh_logits(fast, ids)
     assert not torch.equal(a, b)  # it is a different model ...
     correlation = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
-    # ... that ranks tokens like the dense one (4 bits on a random 64-wide model: loose; real models: benchmarks/quantized)
+    # ... that ranks tokens like the dense one (4 bits on a random 64-wide model: loose; real models:
+    # benchmarks/results/xeon/quantized)
     assert correlation > {"w8a8": 0.99, "w4a8": 0.85}[weight_format]
 
 

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "replica's verispec metrics, tagged replica (default: a port Ray picks)")
     ray.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=False,
                      help="route requests whose first 1,000 characters agree to the same replica (its prefix cache); "
-                     "off by default: see benchmarks/ray-replicas for when it pays")
+                     "off by default: see benchmarks/results/xeon/ray-replicas for when it pays")
     ray.add_argument("--target-ongoing-requests", type=float, default=8.0,
                      help="autoscaling: requests in flight per replica it aims at (default 8)")
 

@@ -12,9 +12,9 @@ pass: a point-mass draft (a lookup) is cut at its first forbidden token, which i
 do (p is 0 there, so the token is rejected and the residual is p itself); a sampled draft keeps that
 token, whose rejection then draws from the residual max(p - q, 0), as the law requires.
 
-The engine is llguidance, chosen by measurement (benchmarks/grammar): on this CPU it computes a mask over
-Qwen's 151,936 ids in ~25-50 us (median) and compiles a schema in ~1 ms. xgrammar's masks take ~3 us but
-it depends on triton (a GPU compiler, 1 GB); outlines-core took 0.7-18 s to compile one schema.
+The engine is llguidance, chosen by measurement (benchmarks/results/zen5/grammar): on this CPU it computes a
+mask over Qwen's 151,936 ids in ~25-50 us (median) and compiles a schema in ~1 ms. xgrammar's masks take ~3 us
+but it depends on triton (a GPU compiler, 1 GB); outlines-core took 0.7-18 s to compile one schema.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
-    from verispec.bench.machine import machine_description
+    from verispec.bench.machine import git_commit, machine_description, machine_kind
     from verispec.engine import GenerationConfig
     from verispec.models.loading import load_model
     from verispec.sampling import SamplingParams
@@ -267,6 +267,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "check": args.check,
         "stop_strings": list(config.stop_strings),
         "note": "peak_rss_gib is for the whole process: all modes share it",
+        "commit": git_commit(),  # the checkout that ran (None outside one); benchmarks/results/ files by kind
+        "machine_kind": machine_kind(),
     }
     write_results(args.out, meta, summaries, results)
     plots = plot(args.out, summaries, results)

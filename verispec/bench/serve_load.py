@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from verispec.bench.machine import machine_description
+from verispec.bench.machine import git_commit, machine_description, machine_kind
 from verispec.bench.report import format_or_dash
 from verispec.bench.servers import (
     ServerSpec, ServerUnavailable, StartedServer, counter_delta, model_of, spec_counters,
@@ -443,7 +443,8 @@ def _write(
     command = "verispec bench-serve " + shlex.join(argv) if argv is not None else None
     meta = {"command": command, "machine": machine_description(), "servers": {s.name: s.url for s in servers},
             "started_with": {s.name: s.start_command for s in servers if s.start_command}, "skipped": skipped,
-            "workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature}
+            "workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "commit": git_commit(), "machine_kind": machine_kind()}  # the client's checkout; servers may differ
     raw = [{"server": r.server, "concurrency": r.concurrency, "wall_seconds": r.wall_seconds,
             "startup_seconds": r.startup_seconds, "server_counters": r.server_counters,
             "requests": [asdict(q) for q in r.requests]} for r in results]

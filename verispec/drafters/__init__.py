@@ -67,8 +67,8 @@ def make_drafter(
     draft-model: a same-tokenizer model (`draft`). prompt-lookup / suffix-index: no model
     (suffix-index also indexes `corpus` files or directories). cross-tokenizer: a model with its own
     tokenizer (`draft`). composite: the suffix index first (it beat prompt lookup on code-edit, see
-    benchmarks/), then the draft model (same tokenizer) or the cross-tokenizer model when `draft`'s
-    tokenizer differs.
+    benchmarks/results/zen5/code-edit), then the draft model (same tokenizer) or the cross-tokenizer model
+    when `draft`'s tokenizer differs.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"drafter {kind!r} is not one of {', '.join(DRAFTERS)}")

@@ -332,7 +332,7 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
     auto keeps dense weights for float32/float16 compute that was asked for (dtype_asked: asking for
     those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without
     bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the
-    dense target's HumanEval pass@1 (benchmarks/quantized/: w4a8 +1.2, w8a8 +1.9), so speed
+    dense target's HumanEval pass@1 (benchmarks/results/xeon/quantized/: w4a8 +1.2, w8a8 +1.9), so speed
     decides, measured on linears that do not fit in cache, as a model's do not. The weight-only
     formats are not candidates: past 4 rows (every verify pass) they are slower than dense. w4a8 is
     left out where its kernel cannot run.

@@ -242,7 +242,7 @@ class SafetensorsWeights:
 
     Each `pop` maps its file afresh and returns a tensor backed by that mapping, so a tensor that
     is quantized or concatenated and then dropped releases its pages at once: loading never holds
-    the whole checkpoint in memory next to the converted weights (peak RSS, see benchmarks/fast/).
+    the whole checkpoint in memory next to the converted weights (peak RSS, see benchmarks/archive/xeon/fast/).
     """
 
     def __init__(self, directory: Path) -> None:

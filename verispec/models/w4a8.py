@@ -39,7 +39,7 @@ GROUP_SIZE = 32  # inputs sharing one integer multiplier and offset
 COLUMNS = 16  # output columns per packed block
 # Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
 # whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
-# 2 threads: benchmarks/fast-w4a8/).
+# 2 threads: benchmarks/archive/xeon/fast-w4a8/).
 KERNEL_MAX_ROWS = 8
 # One extension holds the w4a8 kernel and the attention and norm kernels (see transformer).
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp", "norm.cpp")]

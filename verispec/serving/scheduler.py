@@ -583,7 +583,7 @@ class Scheduler:
             drafting = current if any(current) else [row == first for row in range(len(active))]
         if self.draft is not None and self.k == "auto" and not probing:
             # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (a
-            # cold first measurement had a server never draft again: benchmarks/kernel-interleave-zen5).
+            # cold first measurement had a server never draft again: benchmarks/results/zen5/kernel-interleave-zen5).
             drafting = self._worth_catching_up(drafting, k_per_row)
         if self.draft is not None and any(drafting):
             started = time.perf_counter()
