@@ -279,3 +279,39 @@ def test_w4a8_long_passes_through_the_kernel_equal_onednn_and_keep_no_int8_copy(
     assert torch.equal(kernel(x), onednn(x))
     with pytest.raises(ValueError, match="w4a8 long passes 'fp8'"):
         Linear(weight.clone()).quantize("w4a8", "fp8")
+
+
+def test_w4a8_weights_kept_on_disk_give_the_same_bits(tmp_path, monkeypatch):
+    """A large weight's quantized form is written once and read back bit for bit; a file that lacks the int8
+    copy asked for, or that cannot be read, is computed again; another weight gets a file of its own."""
+    computed = []
+    search = w4a8.search_grid
+
+    def counting(weight):
+        computed.append(weight.shape)
+        return search(weight)
+
+    original_path = w4a8.quantized_path
+    monkeypatch.setattr(w4a8, "quantized_path", lambda weight: tmp_path / original_path(weight).name)
+    monkeypatch.setattr(w4a8, "search_grid", counting)
+    weight = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)  # 2^20 weights
+
+    int8, scale, packed = w4a8.quantize(weight)
+    assert computed == [weight.shape] and len(list(tmp_path.iterdir())) == 1
+    kept = w4a8.quantize(weight)
+    assert computed == [weight.shape]  # read, not searched
+    assert all(torch.equal(a, b) for a, b in zip(kept, (int8, scale, packed)))
+
+    other = weight.clone()
+    other[0, 0] += 1.0
+    w4a8.quantize(other, keep_int8=False)
+    assert len(computed) == 2 and len(list(tmp_path.iterdir())) == 2
+    assert w4a8.quantize(other, keep_int8=False)[0] is None and len(computed) == 2
+    assert torch.equal(w4a8.quantize(other)[0], search(other)[0]) and len(computed) == 3  # int8 asked: searched
+
+    (tmp_path / original_path(weight).name).write_bytes(b"not safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(w4a8.quantize(weight), (int8, scale, packed)))
+    assert len(computed) == 4
+    small = torch.randn(64, 128).to(torch.bfloat16)
+    w4a8.quantize(small)
+    assert len(list(tmp_path.iterdir())) == 2  # small weights are not worth a file

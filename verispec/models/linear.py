@@ -157,9 +157,10 @@ class Linear:
             weight = torch.cat([weight, weight.new_zeros(missing, self.in_features)])
             bias = None if bias is None else torch.cat([bias, bias.new_zeros(missing)])
         w4a8.load_kernel()
-        int8, scales, self.packed = w4a8.quantize(weight)  # packed: what passes of few rows read
+        # packed: what passes of few rows read; with "kernel" every pass reads the 4-bit codes: no int8 copy
+        int8, scales, self.packed = w4a8.quantize(weight, keep_int8=activations != "kernel")
         self.bias = bias
-        if activations == "kernel":  # every pass reads the 4-bit codes: the int8 copy is not kept
+        if activations == "kernel":
             self.weight, self.scales, self.dense, self.activations = None, scales, None, activations
             self.bias = None if self.bias is None else self.bias.float()
         else:

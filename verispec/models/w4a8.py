@@ -146,15 +146,68 @@ def _build_and_load() -> None:
         ) from error
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, keep_int8: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """weight (N, K) ~= scale[n] * int8[n, k], int8 = m * q + o (see the module docstring), in the kernel's C++.
 
-    Returns int8 (N, K), the weights oneDNN runs; scale (N,) float32; packed (N/16, K/32, 288)
-    uint8, the same weights as 4-bit codes and per-group multipliers and offsets, what the kernel
-    reads. Each group keeps the multiplier and offset around its ideal grid with the least squared error.
+    Returns int8 (N, K), the weights oneDNN runs (None unless keep_int8); scale (N,) float32; packed
+    (N/16, K/32, 288) uint8, the same weights as 4-bit codes and per-group multipliers and offsets,
+    what the kernel reads. Each group keeps the multiplier and offset around its ideal grid with the
+    least squared error. The search takes about 30 s for a 1.5B model, so the results of large
+    weights are kept on disk under the verispec cache, keyed by the weight's bytes and this kernel
+    build (`quantized_path`): a later load reads them (seconds) and gets the same bits.
     """
     load_kernel()
+    path = quantized_path(weight) if weight.numel() >= CACHED_MIN_WEIGHTS else None
+    stored = _read_quantized(path, keep_int8) if path is not None else None
+    if stored is not None:
+        return stored
+    int8, scale, packed = search_grid(weight)
+    if path is not None:
+        _write_quantized(path, {"scale": scale, "packed": packed, **({"int8": int8} if keep_int8 else {})})
+    return (int8 if keep_int8 else None), scale, packed
+
+
+CACHED_MIN_WEIGHTS = 1 << 20  # smaller weights quantize in milliseconds: not worth a file each
+
+
+def search_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's search for each group's multiplier and offset: (int8, scale, packed), as `quantize` returns."""
     return torch.ops.verispec.w4a8_quantize(weight)
+
+
+def quantized_path(weight: torch.Tensor) -> Path:
+    """Where the quantized form of `weight` is kept: named by a hash of its dtype, shape and bytes, in a
+    folder of this kernel build (sources, flags and torch version), so a changed kernel never reads old results."""
+    digest = hashlib.blake2b(f"{weight.dtype} {tuple(weight.shape)}".encode(), digest_size=20)
+    digest.update(weight.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+    return _build_directory() / "weights" / f"{digest.hexdigest()}.safetensors"
+
+
+def _read_quantized(path: Path, keep_int8: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """The kept (int8, scale, packed) at path; None where it is missing, unreadable or lacks the int8 copy asked for."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        stored = load_file(path)
+    except (OSError, SafetensorError):
+        return None
+    if (keep_int8 and "int8" not in stored) or not {"scale", "packed"} <= stored.keys():
+        return None
+    return stored.get("int8") if keep_int8 else None, stored["scale"], stored["packed"]
+
+
+def _write_quantized(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write next to path and rename: a reader (another replica loading the same model) never sees half a file."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, scratch)
+        os.replace(scratch, path)
+    except OSError:  # a full or read-only disk costs the next load the search again, nothing else
+        scratch.unlink(missing_ok=True)
 
 
 def supports_shape(out_features: int, in_features: int) -> bool:
