@@ -92,6 +92,29 @@ def target(tiny_dir):
     return load_model(tiny_dir, "float32")
 
 
+REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def default_pair():
+    """The packaged pair as `verispec serve` loads it by default (the 1.5B target in bfloat16 with the format
+    `auto` measures, the 0.5B draft model in its default format), loaded once for every test that runs it."""
+    from verispec import load_draft_model
+    from verispec.models.loading import load_model
+
+    target = load_model(REAL_TARGET, "bfloat16", quantize="auto")
+    return target, load_draft_model(REAL_DRAFT, target)
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads (what the benchmarks use) for one test; the previous count after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def repeating_prompt() -> str:
     """A prompt that repeats itself, so lookup drafters have something to propose."""

@@ -249,23 +249,11 @@ def test_ignore_eos_cannot_end_a_document():
         GenerationConfig(json_schema=SMALL_SCHEMA, eos_token_ids=())
 
 
-@pytest.fixture(scope="module")
-def real_pair():
-    """The packaged pair with the default (fast, batch-invariant where measured so) target."""
-    from verispec import load_draft_model
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    target = load_model("qwen2.5-coder-1.5b-instruct", "bfloat16", quantize="auto")
-    yield target, load_draft_model("qwen2.5-coder-0.5b-instruct", target)
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["draft-model", "composite"])
-def test_real_models_follow_the_benchmark_schemas_greedy_exact(real_pair, drafter):
+def test_real_models_follow_the_benchmark_schemas_greedy_exact(default_pair, two_threads, drafter):
     """The packaged pair: greedy speculative under each benchmark schema equals greedy plain, and validates."""
-    target, draft_model = real_pair
+    target, draft_model = default_pair
     prompts = {
         "customer": "Extract the customer as JSON: Maria Lopez, 42, maria.lopez@example.org, a VIP member.",
         "order": "Order A-77 shipped: 2 x USB-C cable (SKU CB-2) at 9.99 each and 1 x charger (SKU CH-65) at 39.",

@@ -26,17 +26,16 @@ NEW_TOKENS = 128
 
 
 @pytest.fixture(scope="module", params=["auto", "the other fast format"][: len(FAST_FORMATS)])
-def fast_pair(request):
+def fast_pair(request, default_pair):
     """The default target (auto: w4a8 or w8a8, measured), and the fast format auto did not pick, where both run."""
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
-    quantize = "auto"
-    if request.param != "auto":
+    target, drafter = default_pair
+    if request.param != "auto" or not target.model.batch_invariant:
+        # the other format; or auto measured dense as faster here: test the fast format itself
         quantize = "w8a8" if resolve_format("auto", torch.bfloat16).weight_format == "w4a8" else "w4a8"
-    target = load_model(TARGET, "bfloat16", quantize=quantize)
-    if not target.model.batch_invariant:  # auto measured dense as faster here: test the format itself
-        target = load_model(TARGET, "bfloat16", quantize=FAST_FORMATS[0])
-    drafter = load_draft_model(DRAFT, target)
+        target = load_model(TARGET, "bfloat16", quantize=quantize if request.param != "auto" else FAST_FORMATS[0])
+        drafter = load_draft_model(DRAFT, target)
     yield target, drafter
     torch.set_num_threads(previous)
 

@@ -294,6 +294,22 @@ def test_stop_ends_every_request_and_refuses_new_ones(target):
         scheduler.submit([1, 2], GenerationConfig(max_new_tokens=4))
 
 
+def test_a_step_that_ends_every_row_leaves_no_idle_turn_while_prompts_wait(target):
+    """Rows that all finish in one step, with prompts still queued: the model thread's turn says there is
+    more to do, so it admits them at once instead of sleeping until a new request wakes it (it slept 0.5 s
+    a batch, and a burst of equal-length requests ran at a fraction of its speed)."""
+    scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(max_batch_size=2, max_waiting=8, max_context=64))
+    handles = [scheduler.submit([1, 2, 3 + i], GenerationConfig(max_new_tokens=1)) for i in range(5)]
+    turns = []
+    while not turns or turns[-1]:
+        turns.append(scheduler.run_once())
+        assert len(turns) < 10
+    assert turns == [True, True, False]  # 2 rows, 2 rows, then the last row: each ends in its first step
+    for handle in handles:  # every request got its one token and its finish reason
+        events = list(handle.iter_events())
+        assert sum(len(e.token_ids) for e in events) == 1 and events[-1].finish_reason == "length"
+
+
 def test_cancelled_waiting_requests_free_their_queue_slots(target):
     scheduler = Scheduler(target, None, "none", limits=SchedulerLimits(max_batch_size=1, max_waiting=1, max_context=400))
     busy = scheduler.submit([1, 2, 3], GenerationConfig(max_new_tokens=300))

@@ -211,15 +211,11 @@ def test_a_model_without_tool_tokens_refuses_tools(target):
 
 
 @pytest.mark.real
-def test_real_model_calls_the_weather_tool(tmp_path):
+def test_real_model_calls_the_weather_tool(default_pair, two_threads):
     """The packaged pair, Qwen2.5's own template: required and named choices give one valid call with the city
     asked about. (Under auto this coder model answers with a fenced JSON text rather than its call tokens, which
     auto allows: that is the model's own choice, and it comes back as content.)"""
-    from verispec import load_draft_model
-
-    torch.set_num_threads(2)
-    target = load_model("qwen2.5-coder-1.5b-instruct", "bfloat16", quantize="auto")
-    draft = load_draft_model("qwen2.5-coder-0.5b-instruct", target)
+    target, draft = default_pair
     scheduler = Scheduler(target, draft.model, "draft-model", limits=SchedulerLimits(max_batch_size=2,
                                                                                      max_context=2048))
     scheduler.start()

@@ -346,7 +346,9 @@ class Scheduler:
 
     def run_once(self) -> bool:
         """One turn of the model thread's loop: drop cancelled requests, admit prompts, one decoding step.
-        False when there was nothing to do. (Tests call it directly, to place requests at exact steps.)"""
+        False when nothing is left to do: no row decoding, no prompt going in and none waiting (a step that
+        ends every row leaves the waiting prompts for the next turn, at once). (Tests call it directly, to
+        place requests at exact steps.)"""
         self._retire([s for s in self.active if s.handle.cancelled.is_set()], "cancelled")
         self._drop_cancelled_waiting()
         if self._prefilling is not None and self._prefilling.handle.cancelled.is_set():
@@ -355,7 +357,7 @@ class Scheduler:
         self._admit()
         if self.active:
             self._step()
-        return bool(self.active) or self._prefilling is not None
+        return bool(self.active) or self._prefilling is not None or self.num_waiting > 0
 
     def _fail_all(self, message: str) -> None:
         self._fail_active(message)
