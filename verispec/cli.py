@@ -1,4 +1,4 @@
-"""Command line: `verispec generate`, `serve`, `bench`, `bench-serve` and `models`."""
+"""Command line: `verispec generate`, `serve`, `bench`, `bench-serve`, `doctor` and `models`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from verispec.drafters import DRAFTERS
-from verispec.models.catalog import CATALOG, ModelNotInstalledError, is_installed
+from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 
 EXIT_USAGE = 2
@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF directory")
-    gen.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
+    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     gen.add_argument(
         "--drafter", default="draft-model", choices=DRAFTERS,
         help="how drafts are proposed: a same-tokenizer draft model, prompt lookup, a suffix index, "
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = SchedulerLimits()
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
-    serve.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="catalog name, .gguf file or HF directory")
-    serve.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or 'none' for plain decoding")
+    serve.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
+    serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     serve.add_argument(
         "--drafter", default="draft-model", choices=SERVED_DRAFTERS,
         help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
@@ -158,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve_load.add_arguments(
         commands.add_parser("bench-serve", help="load-test running OpenAI-compatible servers at 1, 4, 16... clients")
     )
+    from verispec.models.forward_cost import DEFAULT_CONTEXT, DEFAULT_ROUNDS
+
+    doctor = commands.add_parser(
+        "doctor", help="what this machine is, what each weight format costs here, and what speculation should gain "
+        "(run it first when decoding is slower than expected, and paste it into bug reports)",
+    )
+    doctor.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
+    doctor.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model: catalog name, .gguf file or HF directory")
+    doctor.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
+                        help="interleaved timing rounds, after two warm-up rounds; medians are reported")
+    doctor.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT,
+                        help="tokens of prompt in each model's cache before the timed forwards")
+    doctor.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
     models = commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
     models.add_argument("names", nargs="*", metavar="NAME", help="with --paths: only these catalog models")
     models.add_argument(
@@ -216,6 +231,32 @@ def cmd_models() -> int:
         f"--quantize auto on this CPU: {choice.label} with {str(dtype).removeprefix('torch.')} activations"
         + (f" (one linear at 1 + 8 rows: {measured})" if measured else ""),
     )
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Time what runs here and print it: tables, or JSON on stdout alone; a progress bar on a terminal's stderr."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from verispec.doctor import diagnose
+    from verispec.doctor_tables import doctor_tables
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("verispec doctor", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        report = diagnose(args.target, args.draft, rounds=args.rounds, context=args.context, progress=progress)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    console = Console()
+    for table in doctor_tables(report):
+        console.print(table)
     return 0
 
 
@@ -388,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
         if args.command == "bench-serve":
             from verispec.bench.serve_load import run_bench_serve
 

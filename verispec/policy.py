@@ -94,7 +94,7 @@ class AdaptiveController:
 
     def _verify_seconds(self, tokens: int) -> float | None:
         """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
-        return _interpolate(self.verify_cost, tokens)
+        return interpolate(self.verify_cost, tokens)
 
     def expected_rate(
         self, k: int, averages: _Averages, batch_size: int = 1, drafting_rows: int | None = None
@@ -105,7 +105,7 @@ class AdaptiveController:
         for every row (rows are padded to the longest draft), but only drafting rows gain tokens.
         """
         verify = self._verify_seconds(batch_size * (k + 1))
-        draft = _interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
+        draft = interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
         if verify is None or draft is None:
             return None
         verify = max(verify, self._verify_seconds(batch_size))  # a wider forward is never cheaper (noise aside)
@@ -172,7 +172,7 @@ class AdaptiveController:
         choose_k's rule (call choose_k first; this refines a k > 0 it chose).
         """
         averages = self._source(source)
-        draft = _interpolate(averages.draft_cost, batch_size)
+        draft = interpolate(averages.draft_cost, batch_size)
         rows = len(row_acceptance)
         base_tokens = other_tokens + rows
         top = base_tokens + sum(k_cap)
@@ -288,7 +288,7 @@ class AdaptiveController:
         return self._verify_seconds(1)
 
 
-def _interpolate(table: dict[int, float], x: int) -> float | None:
+def interpolate(table: dict[int, float], x: int) -> float | None:
     """table[x] if measured, else a straight line through measured sizes (None if empty).
 
     Between measured sizes: the line through the two nearest. Beyond them: the line through the
@@ -339,7 +339,7 @@ def largest_fitting_chunk(
 
 
 def _interpolated_range(table: dict[int, float], first: int, last: int) -> list[float] | None:
-    """[_interpolate(table, x) for x in first .. last], sorting the table once (None if empty)."""
+    """[interpolate(table, x) for x in first .. last], sorting the table once (None if empty)."""
     if not table:
         return None
     seen = sorted(table)

@@ -13,7 +13,8 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models import w4a8
-from verispec.models.linear import FORMATS, measure_formats, w4a8_choice, w8a8_available
+from verispec.models.config import ModelConfig
+from verispec.models.linear import FORMATS, FormatChoice, measure_formats, w4a8_choice, w8a8_available
 from verispec.models.loading import LoadedModel, build_kernel, load_model
 from verispec.models.machine import remembered_choice
 
@@ -21,6 +22,10 @@ COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
 
 QUANTIZATIONS = ("auto", *FORMATS)
+DRAFT_W8A8_UNAVAILABLE = (
+    "--draft-quantize w8a8: oneDNN's int8 kernels do not run here, or their sums are not exact (no VNNI or AMX); "
+    "use int4, w4a8 or none"
+)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -49,7 +54,7 @@ def load_draft_model(
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     draft = load_model(spec, dtype, progress)
     check_same_vocabulary(target, draft)
-    _quantize(draft, quantize, progress, dtype_asked=dtype != "auto")
+    quantize_draft(draft, quantize, progress, dtype_asked=dtype != "auto")
     return DraftModelDrafter(draft.model, target.model.vocab_size)
 
 
@@ -87,9 +92,9 @@ def make_drafter(
     model = load_model(draft, dtype, progress)
     same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     if kind == "cross-tokenizer":
-        _quantize(model, quantize, progress, dtype_asked=dtype != "auto")
+        quantize_draft(model, quantize, progress, dtype_asked=dtype != "auto")
         return CrossTokenizerDrafter(model, target)
-    _quantize(model, quantize, progress, dtype_asked=dtype != "auto")
+    quantize_draft(model, quantize, progress, dtype_asked=dtype != "auto")
     if same_vocabulary:
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
@@ -102,47 +107,72 @@ def composite_lookup() -> SuffixIndexDrafter:
     return SuffixIndexDrafter(min_match=COMPOSITE_MIN_MATCH)
 
 
-def _quantize(draft: LoadedModel, quantize: str, progress: bool = False, dtype_asked: bool = True) -> None:
-    """Quantize the draft as `quantize` says; "auto" times the formats in bfloat16, or in a float32 that
-    `--dtype auto` chose (a CPU without bfloat16 dot products), else keeps it dense."""
-    if quantize not in QUANTIZATIONS:
-        raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
-    build_kernel(quantize, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
-    activations = "s8"
-    if quantize == "w8a8" or (quantize == "auto" and (draft.model.dtype == torch.bfloat16 or not dtype_asked)):
+def draft_candidates(quantize: str, dtype: torch.dtype, dtype_asked: bool = True) -> tuple[str, ...]:
+    """The formats `quantize` times for a draft in `dtype`; empty where nothing is timed.
+
+    "auto" times int4, w8a8 (both activation kinds, where oneDNN's sums are exact) and w4a8 (where its kernel
+    runs) in bfloat16, or in a float32 that `--dtype auto` chose (a CPU without bfloat16 dot products: int4,
+    which needs bfloat16, then fails to run and drops out); "w8a8" times its two activation kinds.
+    """
+    if quantize == "w8a8" or (quantize == "auto" and (dtype == torch.bfloat16 or not dtype_asked)):
         candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()
         if quantize == "auto":
             candidates = ("int4",) + candidates + (("w4a8",) if w4a8.unavailable_reason() is None else ())
-        config = draft.model.config  # timed on the draft's own MLP shape, for one row (drafting)
+        return candidates
+    return ()
+
+
+def choose_draft_format(
+    quantize: str, config: ModelConfig, dtype: torch.dtype, dtype_asked: bool = True
+) -> FormatChoice:
+    """Resolve `--draft-quantize` for a draft of this shape: "auto" picks the fastest of draft_candidates for
+    one row (drafting), timed on the draft's own MLP shape once per machine (remembered_choice), else dense."""
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    candidates = draft_candidates(quantize, dtype, dtype_asked)
+    if quantize == "w8a8" and not candidates:
+        raise ValueError(DRAFT_W8A8_UNAVAILABLE)
+    activations, seconds = "s8", None
+    if candidates:
 
         def measure() -> dict:
-            seconds = measure_formats(  # four copies: from memory, as the draft's whole forward reads them
-                candidates, draft.model.dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,), copies=4
+            timed = measure_formats(  # four copies: from memory, as the draft's whole forward reads them
+                candidates, dtype, config.hidden_size, 2 * config.intermediate_size, rows=(1,), copies=4
             )
-            return {"best": min(seconds, key=seconds.get) if seconds else None, "seconds": seconds}
+            return {"best": min(timed, key=timed.get) if timed else None, "seconds": timed}
 
         shape = f"4x{config.hidden_size}x{2 * config.intermediate_size}"
-        dtype = str(draft.model.dtype).removeprefix("torch.")
-        shape += "" if dtype == "bfloat16" else f" {dtype}"
+        dtype_name = str(dtype).removeprefix("torch.")
+        shape += "" if dtype_name == "bfloat16" else f" {dtype_name}"
         kind = f"draft {quantize} {shape} among {','.join(candidates)}"
-        best = remembered_choice(kind, measure)["best"]
-        if best is None:
-            raise ValueError(
-                "--draft-quantize w8a8: oneDNN's int8 kernels do not run here, or their sums are not exact (no VNNI "
-                "or AMX); use int4, w4a8 or none"
-            )
-        quantize, _, activations = best.partition("-")
+        kept = remembered_choice(kind, measure)
+        if kept["best"] is None:
+            raise ValueError(DRAFT_W8A8_UNAVAILABLE)
+        quantize, _, activations = kept["best"].partition("-")
+        seconds = kept["seconds"]
     elif quantize == "auto":
         quantize = "none"
     if quantize == "w4a8":  # the activation kind of its prefill passes (oneDNN), as for a target
-        activations = w4a8_choice(draft.model.dtype).activations
-    if quantize != "none":
-        draft.model.quantize(quantize, activations or "s8")
+        activations = w4a8_choice(dtype).activations
+    return FormatChoice(quantize, activations or "s8", seconds)
+
+
+def quantize_draft(
+    draft: LoadedModel, quantize: str, progress: bool = False, dtype_asked: bool = True
+) -> FormatChoice:
+    """Put a dense draft in the format `quantize` resolves to (choose_draft_format) and return that choice."""
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    build_kernel(quantize, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
+    choice = choose_draft_format(quantize, draft.model.config, draft.model.dtype, dtype_asked)
+    if choice.weight_format != "none":
+        draft.model.quantize(choice.weight_format, choice.activations)
     draft.model.invariant_attention = False  # a draft needs speed, not batch invariance
+    return choice
 
 
 __all__ = [
     "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
-    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup", "load_draft_model",
-    "make_drafter",
+    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "choose_draft_format", "composite_lookup",
+    "draft_candidates", "load_draft_model", "make_drafter", "quantize_draft",
 ]

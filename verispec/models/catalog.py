@@ -71,6 +71,10 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"  # what the commands load when no --target is given
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # and their draft model: same tokenizer, a third of the size
+
+
 class ModelNotInstalledError(RuntimeError):
     """A catalog model's packages are missing or of the wrong version."""
 

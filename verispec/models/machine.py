@@ -60,6 +60,9 @@ def cache_root() -> Path:
     return Path(xdg) / "verispec"
 
 
+_consulted: set[str] = set()  # the kinds remembered_choice was asked for in this process: the choices in force
+
+
 def remembered_choice(kind: str, measure: Callable[[], dict]) -> dict:
     """What `measure()` (a JSON-able dict) chose for `kind` the first time on this machine.
 
@@ -68,12 +71,10 @@ def remembered_choice(kind: str, measure: Callable[[], dict]) -> dict:
     format-choices.json there to time again): the same command then loads the same model every time,
     which timing noise between two close formats would not promise, and skips the timing.
     """
-    key = f"{kind} | {cpu_model()} | {os.cpu_count()} cores | torch {torch.__version__}"
+    _consulted.add(kind)
+    key = f"{kind}{_machine_suffix()}"
     path = cache_root() / FORMAT_CHOICES_FILE
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = _read_choices(path)
     if key not in table:
         table[key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,3 +82,28 @@ def remembered_choice(kind: str, measure: Callable[[], dict]) -> dict:
         scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
         scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
     return table[key]
+
+
+def remembered_choices() -> dict[str, dict]:
+    """The choices remembered_choice kept for this machine (CPU model, core count, torch version): kind -> choice."""
+    suffix = _machine_suffix()
+    table = _read_choices(cache_root() / FORMAT_CHOICES_FILE)
+    return {key.removesuffix(suffix): choice for key, choice in table.items() if key.endswith(suffix)}
+
+
+def consulted_kinds() -> frozenset[str]:
+    """The kinds this process asked remembered_choice for: which remembered choices its models loaded by."""
+    return frozenset(_consulted)
+
+
+def _machine_suffix() -> str:
+    """What follows the kind in a remembered choice's key: the machine and software it was timed on."""
+    return f" | {cpu_model()} | {os.cpu_count()} cores | torch {torch.__version__}"
+
+
+def _read_choices(path: Path) -> dict[str, dict]:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}

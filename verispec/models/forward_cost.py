@@ -1,0 +1,82 @@
+"""What whole forwards cost: models timed side by side, a few new tokens after a prompt, in interleaved rounds.
+
+A forward's cost is what decides a format and a draft length: a linear timed alone misses the attention,
+the norms and the memory traffic of the rest of the model. Each model gets its own KV cache holding a
+`context`-token prompt; each round runs one forward per row count and model, the same row count of every model
+back to back, and writes its new tokens after the prompt without committing them, so every round sees the
+same cache. Machine noise then hits every model alike, and medians over the rounds (the first `warmup`
+dropped: they allocate and pick kernels) are what is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Mapping, Protocol
+
+import torch
+
+from verispec.models.kv_cache import KVCache
+from verispec.models.loading import LoadedModel
+
+DEFAULT_ROWS = (1, 4, 8)  # plain decoding, a short verify pass, the longest draft's
+DEFAULT_CONTEXT = 256  # tokens of prompt in the cache: a short prompt's worth, cheap to prefill
+DEFAULT_ROUNDS = 7
+WARMUP_ROUNDS = 2
+
+
+class Forwarding(Protocol):
+    """What forward_costs runs: a Transformer, or anything that makes a cache and runs forwards over it."""
+
+    vocab_size: int
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
+
+
+def forward_costs(
+    models: Mapping[str, LoadedModel | Forwarding],
+    rows: tuple[int, ...] = DEFAULT_ROWS,
+    context: int = DEFAULT_CONTEXT,
+    rounds: int = DEFAULT_ROUNDS,
+    warmup: int = WARMUP_ROUNDS,
+    on_round: Callable[[int, int], None] | None = None,
+) -> dict[str, dict[int, float]]:
+    """Median seconds of one forward of `n` new tokens after `context` tokens, per model and n in rows.
+
+    models: name -> a LoadedModel or its Transformer. on_round(done, total) is called after each round,
+    warm-up rounds included (total = warmup + rounds).
+    """
+    if not models:
+        raise ValueError("forward_costs needs at least one model")
+    if rounds < 1 or warmup < 0 or context < 1 or not rows or min(rows) < 1:
+        raise ValueError(f"need rounds >= 1, warmup >= 0, context >= 1 and rows >= 1; got {rounds}, {warmup}, "
+                         f"{context}, {rows}")
+    transformers = {name: m.model if isinstance(m, LoadedModel) else m for name, m in models.items()}
+    caches = {name: _prompted_cache(model, context, max(rows)) for name, model in transformers.items()}
+    inputs = {name: {n: _token_ids(n, m.vocab_size, offset=7) for n in rows} for name, m in transformers.items()}
+    seconds: dict[tuple[str, int], list[float]] = {(name, n): [] for name in transformers for n in rows}
+    total = warmup + rounds
+    for done in range(1, total + 1):
+        for n in rows:
+            for name, model in transformers.items():
+                started = time.perf_counter()
+                model.forward(inputs[name][n], caches[name])  # new tokens after the prompt, never committed
+                seconds[(name, n)].append(time.perf_counter() - started)
+        if on_round is not None:
+            on_round(done, total)
+    return {name: {n: statistics.median(seconds[(name, n)][warmup:]) for n in rows} for name in transformers}
+
+
+def _prompted_cache(model: Forwarding, context: int, most_rows: int) -> KVCache:
+    """A one-row cache holding a `context`-token prompt, with room for `most_rows` more."""
+    cache = model.new_cache(1, context + most_rows)
+    model.forward(_token_ids(context, model.vocab_size, offset=1000), cache, last_only=True)
+    cache.commit(context)
+    return cache
+
+
+def _token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
+    """(1, count) distinct-looking token ids that every vocabulary holds: what they say does not change a cost."""
+    return ((torch.arange(count) + offset) % vocab_size)[None]
