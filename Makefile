@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 THREADS ?= 2
+# pytest-xdist workers for `make test` (each loads the models its tests need: mind the memory).
+TEST_WORKERS ?= 2
 # The CPU build of torch lies on disk here; without it pip would fetch a multi-GB CUDA build.
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
@@ -29,7 +31,7 @@ demo: models
 
 # pytest exits 5 when it collects nothing: that is a broken suite, so it fails here. The 20 slowest tests are listed.
 test: models
-	$(PY) -m pytest -q -ra --durations=20; status=$$?; \
+	$(PY) -m pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 test-fast: install

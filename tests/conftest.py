@@ -65,6 +65,12 @@ def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", laye
     return directory
 
 
+# `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadfile),
+# so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster) are built once. The tiny models' steps are Python-bound:
+# one torch thread each runs them faster than two (no OpenMP hand-offs), and two workers use both cores.
+# Tests of the packaged models ask for two threads themselves (two_threads, their fixtures).
+torch.set_num_threads(1)
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen"), seed=0)

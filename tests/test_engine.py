@@ -183,3 +183,20 @@ def test_library_logprobs_are_the_targets_for_every_token_accepted_drafts_includ
         assert entry.logprob == pytest.approx(float(reference[position, entry.token_id]), abs=1e-4)
         assert len(entry.top) == 2 and entry.top[0][1] == pytest.approx(float(reference[position].max()), abs=1e-4)
     assert spec.generate(prompt_ids, GenerationConfig(max_new_tokens=5)).logprobs is None
+
+
+def test_a_request_caps_or_turns_off_its_own_speculation(target, other_tiny_dir, repeating_prompt):
+    """GenerationConfig.max_draft_tokens, the library's side of the served max_draft_tokens: 0 decodes plainly
+    with a drafter attached, a cap of 1 under a fixed k of 4 drafts at most one token a step; same greedy text."""
+    draft = load_model(str(other_tiny_dir), "float32")
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft.model, target.model.vocab_size))
+    plain = SpeculativeEngine(target).generate(repeating_prompt, GenerationConfig(max_new_tokens=24, k=0))
+    off = engine.generate(repeating_prompt, GenerationConfig(max_new_tokens=24, k=4, max_draft_tokens=0))
+    one = engine.generate(repeating_prompt, GenerationConfig(max_new_tokens=24, k=4, max_draft_tokens=1))
+    free = engine.generate(repeating_prompt, GenerationConfig(max_new_tokens=24, k=4))
+    assert off.token_ids == one.token_ids == free.token_ids == plain.token_ids
+    assert off.stats.drafted_tokens == 0 and off.stats.target_forwards == len(plain.token_ids)
+    assert 0 < one.stats.drafted_tokens <= one.stats.target_forwards
+    assert free.stats.drafted_tokens > free.stats.target_forwards  # k = 4 drafts more than one a step
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        GenerationConfig(max_draft_tokens=-1)

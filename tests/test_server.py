@@ -7,6 +7,7 @@ drafts are often rejected, and greedy text must still equal the library's plain 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import json
 import socket
@@ -156,6 +157,24 @@ def test_completion_greedy_equals_library(client, target):
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
     assert response.usage.prompt_tokens_details.cached_tokens == 0  # shorter than a prefix cache block
     check_speculative(response.model_extra["speculative"], len(expected.token_ids))
+
+
+def test_a_request_caps_or_turns_off_its_own_speculation(server, client, target):
+    """max_draft_tokens (an extension, like vLLM's extra parameters): 0 decodes the request plainly while the others
+    in its batch draft, 1 caps its drafts at one a step; greedy text is the same, its usage says what it drafted."""
+    prompt = "def add(a, b):"
+    expected = library(target, prompt, 32)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # together: one batch, capped and free rows side by side
+        futures = {cap: pool.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                    extra_body={} if cap is None else {"max_draft_tokens": cap}) for cap in (0, 1, None)}
+        responses = {cap: future.result() for cap, future in futures.items()}
+    assert all(response.choices[0].text == expected.text for response in responses.values())
+    off, one, free = (responses[cap].model_extra["speculative"] for cap in (0, 1, None))
+    assert off["drafted_tokens"] == 0 and off["target_forwards"] == len(expected.token_ids)
+    assert 0 < one["drafted_tokens"] <= one["target_forwards"]  # at most one draft token a step
+    assert free["drafted_tokens"] > one["target_forwards"]  # the server's k = 3 where the request sets no cap
+    wrong = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_draft_tokens": -1}, timeout=30)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "max_draft_tokens"
 
 
 def target_logprobs(target, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:

@@ -16,6 +16,9 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
     k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
     k_max: int = 8  # the longest draft "auto" considers
+    # This request's own cap on draft tokens per step, whatever the engine or server would choose (0: this request
+    # is decoded plainly, also in a batch that speculates); None: no cap of its own. Served: `max_draft_tokens`.
+    max_draft_tokens: int | None = None
     logprobs: int | None = None  # served: each emitted token's log-probability and this many alternatives
     json_schema: dict | None = None  # structured output: the completion is one JSON document valid under it
     lark_grammar: str | None = None  # or a grammar in llguidance's Lark syntax (served tool calls use one)
@@ -27,6 +30,10 @@ class GenerationConfig:
             raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if self.max_draft_tokens is not None and (
+            isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0
+        ):
+            raise ValueError(f"max_draft_tokens must be None or an integer >= 0 (0: no speculation), got {self.max_draft_tokens!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be None or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
         if self.json_schema is not None and self.lark_grammar is not None:
@@ -36,4 +43,5 @@ class GenerationConfig:
 
     @property
     def longest_draft(self) -> int:
-        return self.k_max if self.k == "auto" else self.k
+        longest = self.k_max if self.k == "auto" else self.k
+        return longest if self.max_draft_tokens is None else min(longest, self.max_draft_tokens)

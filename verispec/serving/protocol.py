@@ -7,7 +7,8 @@ tools / tool_choice become a grammar over the completion (verispec.serving.tools
 response_format json_object / json_schema constrain the output with a grammar (verispec.grammar);
 presence / frequency penalties and logit_bias shape p and q alike (verispec.sampling);
 fields that do not change the output (user, metadata, ...) and unknown fields are ignored.
-Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos.
+Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos; and verispec's own
+max_draft_tokens (a request's cap on draft tokens per step; 0 turns speculation off for it).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class _GenerationRequest(BaseModel):
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     repetition_penalty: Number | None = Field(None, gt=0, le=10)  # extension (vLLM); 1 = off
+    # extension: this request's cap on draft tokens per step (0: decoded plainly, even in a batch that speculates)
+    max_draft_tokens: Integer | None = Field(None, ge=0, le=64)
     logit_bias: dict[str, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # structured output: json_object or json_schema
     user: Text | None = None
@@ -275,6 +278,7 @@ class _GenerationRequest(BaseModel):
             logprobs=self.requested_logprobs(),
             json_schema=self.response_format.required_schema() if self.response_format is not None else None,
             lark_grammar=self.lark_grammar(),
+            max_draft_tokens=self.max_draft_tokens,
         )
         seeds = [seed + i if seed + i < 2**64 else seed + i - 2**64 for i in range(self.choices)]
         return [dataclasses.replace(config, seed=choice_seed) for choice_seed in seeds]

@@ -157,6 +157,12 @@ class _Sequence:
     def remaining(self) -> int:
         return self.config.max_new_tokens - (len(self.tokens) - len(self.prompt_ids))
 
+    @property
+    def draft_cap(self) -> int:
+        """The most draft tokens this sequence may take in a step: its request's cap, and what it can still use."""
+        cap = self.config.max_draft_tokens
+        return self.remaining - 1 if cap is None else min(cap, self.remaining - 1)
+
 
 class Scheduler:
     def __init__(
@@ -559,7 +565,7 @@ class Scheduler:
                 hits, reached = self.active[b].position_hits.get(source, ([0] * self.k_max, [0] * self.k_max))
                 acceptance.append(self.controller.row_acceptance(source, hits, reached))
             others = sum(1 + k for b, k in enumerate(k_per_row) if b not in rows)
-            caps = [min(self.k_max, self.active[b].remaining - 1) for b in rows]
+            caps = [min(self.k_max, self.active[b].draft_cap) for b in rows]
             refined = self.controller.choose_row_ks(len(self.active), source, acceptance, others, caps)
             if refined is not None:
                 for b, row_k in zip(rows, refined):
@@ -663,9 +669,9 @@ class Scheduler:
         n = len(active)
         started = time.perf_counter()
         sources = self._sources()
-        rows = collections.Counter(sources)
+        rows = collections.Counter(source for s, source in zip(active, sources) if s.draft_cap > 0)  # drafting rows
         choices = {source: self._choose_k(n, source, rows[source]) for source in rows}  # source -> (k, probe)
-        k_per_row = [max(0, min(choices[source][0], s.remaining - 1)) for s, source in zip(active, sources)]
+        k_per_row = [max(0, min(choices.get(source, (0, False))[0], s.draft_cap)) for s, source in zip(active, sources)]
         if self.k_per_sequence:
             k_per_row = self._k_per_sequence(k_per_row, sources, choices)
         proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
