@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,10 @@ def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", laye
 # `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadfile),
 # so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster) are built once. The tiny models' steps are Python-bound:
 # one torch thread each runs them faster than two (no OpenMP hand-offs), and two workers use both cores.
-# Tests of the packaged models ask for two threads themselves (two_threads, their fixtures).
+# Tests of the packaged models ask for a core each themselves (real_threads, their fixtures): two workers of two
+# threads each on two cores run a real model 5-10x slower (OpenMP threads wait for a descheduled peer).
 torch.set_num_threads(1)
+REAL_THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
@@ -113,10 +116,11 @@ def default_pair():
 
 
 @pytest.fixture
-def two_threads():
-    """Two torch threads (what the benchmarks use) for one test; the previous count after it."""
+def real_threads():
+    """The cores this worker has to itself, as torch threads (two alone, one each under two workers), for a test of
+    the packaged models; the previous count after it."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(REAL_THREADS)
     yield
     torch.set_num_threads(previous)
 

@@ -251,7 +251,7 @@ def test_ignore_eos_cannot_end_a_document():
 
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["draft-model", "composite"])
-def test_real_models_follow_the_benchmark_schemas_greedy_exact(default_pair, two_threads, drafter):
+def test_real_models_follow_the_benchmark_schemas_greedy_exact(default_pair, real_threads, drafter):
     """The packaged pair: greedy speculative under each benchmark schema equals greedy plain, and validates."""
     target, draft_model = default_pair
     prompts = {

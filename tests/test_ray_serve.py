@@ -417,7 +417,7 @@ def test_a_replica_killed_mid_stream(cluster):
                               timeout=120)
         assert response.status_code == 200, response.text
         assert response.headers[REPLICA_HEADER] != victim
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a new replica starts as the first ones did (wait_ready): minutes under load
     while time.monotonic() < deadline:
         now = replica_pids(cluster.url)
         if len(now) == 2 and victim not in now:

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from conftest import REAL_THREADS
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.cli import main
 from verispec.bench.workloads import humaneval as humaneval_prompts
@@ -21,9 +22,9 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def two_threads():
+def module_threads():
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(REAL_THREADS)
     yield
     torch.set_num_threads(previous)
 

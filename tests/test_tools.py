@@ -211,7 +211,7 @@ def test_a_model_without_tool_tokens_refuses_tools(target):
 
 
 @pytest.mark.real
-def test_real_model_calls_the_weather_tool(default_pair, two_threads):
+def test_real_model_calls_the_weather_tool(default_pair, real_threads):
     """The packaged pair, Qwen2.5's own template: required and named choices give one valid call with the city
     asked about. (Under auto this coder model answers with a fenced JSON text rather than its call tokens, which
     auto allows: that is the model's own choice, and it comes back as content.)"""
