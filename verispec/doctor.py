@@ -21,10 +21,9 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from verispec.bench.machine import git_commit, machine_description, machine_kind
-from verispec.drafters import choose_draft_format, draft_candidates, quantize_draft
+from verispec.drafters import draft_candidates, quantize_draft
 from verispec.models import w4a8
 from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.models.config import ModelConfig
 from verispec.models.forward_cost import DEFAULT_CONTEXT, DEFAULT_ROUNDS, DEFAULT_ROWS, WARMUP_ROUNDS, forward_costs
 from verispec.models.linear import (
     AUTO_PROBE, FORMATS, W4A8_LONG_PASS_ROWS, W8A8_INEXACT, FormatChoice, auto_candidates, onednn_int8_runs,
@@ -72,8 +71,8 @@ def diagnose(
     resolve_model(target)  # a model that is missing fails now, not after the timing (the draft's is read below)
     build_kernel("auto", progress=False)  # where w4a8 can run, build it now: whether it did decides the candidates
     target_choice = resolve_format("auto", dtype, dtype_asked=False)
-    draft_config = ModelConfig.from_dir(resolve_model(draft)[1])
-    draft_choice = choose_draft_format("auto", draft_config, dtype, dtype_asked=False)
+    chosen_draft = load_model(draft, "auto")  # auto times whole forwards of the draft (once per machine)
+    draft_choice = quantize_draft(chosen_draft, "auto", dtype_asked=False)
     target_formats = _to_time(target_choice, _weight_formats(auto_candidates()), formats)
     draft_formats = _to_time(draft_choice, _draft_weight_formats(dtype), formats)
     timed_rows = tuple(sorted(set(rows) | set(TARGET_ROWS)))
@@ -86,7 +85,7 @@ def diagnose(
     del targets  # only the chosen target stays loaded beside the drafts
     gc.collect()
 
-    drafts = _load_drafts(draft, draft_formats, draft_choice, steps)
+    drafts = _load_drafts(draft, draft_formats, draft_choice, chosen_draft, steps)
     steps.describe("timing the drafts beside the chosen target")
     beside = forward_costs({"target": reference} | {f"draft {label}": m for label, m in drafts.items()},
                            timed_rows, context, rounds, on_round=steps.on_round)
@@ -98,7 +97,7 @@ def diagnose(
         "choices": {
             "dtype": _dtype_choice(dtype),
             "target": _choice_summary(target, target_choice, TARGET_PROBE),
-            "draft": _choice_summary(draft, draft_choice, "one row through four copies of the draft's MLP"),
+            "draft": _choice_summary(draft, draft_choice, "whole one-row forwards of the draft in each format"),
             "remembered_file": str(cache_root() / FORMAT_CHOICES_FILE),
             "remembered": remembered_on_this_machine(),
         },
@@ -234,15 +233,17 @@ def _load_targets(
 
 
 def _load_drafts(
-    name: str, weight_formats: tuple[str, ...], choice: FormatChoice, steps: _Steps
+    name: str, weight_formats: tuple[str, ...], choice: FormatChoice, chosen: LoadedModel, steps: _Steps
 ) -> dict[str, LoadedModel]:
-    """The draft in each weight format, by label, quantized as load_draft_model does (the chosen one with "auto")."""
+    """The draft in each weight format, by label, quantized as load_draft_model does (`chosen`: what auto chose)."""
     drafts = {}
     for weight_format in weight_formats:
         steps.describe(f"loading {name} ({weight_format})")
-        loaded = load_model(name, "auto")
-        quantize = "auto" if weight_format == choice.weight_format else weight_format
-        drafts[quantize_draft(loaded, quantize, dtype_asked=False).label] = loaded
+        if weight_format == choice.weight_format:
+            drafts[choice.label] = chosen
+        else:
+            loaded = load_model(name, "auto")
+            drafts[quantize_draft(loaded, weight_format, dtype_asked=False).label] = loaded
         steps.advance()
     return drafts
 

@@ -17,6 +17,7 @@ from typing import Iterator
 from verispec.config import GenerationConfig
 from verispec.drafters.base import Drafter
 from verispec.drafters.composite import CompositeDrafter
+from verispec.drafters.draft_format import current_draft
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
@@ -77,10 +78,12 @@ class SpeculativeEngine:
         drafter = self.drafter
         draft_model, own, name = None, None, "none"
         if isinstance(drafter, DraftModelDrafter):
+            drafter.model = current_draft(drafter.model)  # a format a request found slow was replaced
             draft_model, name = drafter.model, "draft-model"
         elif isinstance(drafter, CompositeDrafter) and _lookup_then_model(drafter):
-            lookup = drafter.drafters[0]
-            draft_model, own, name = drafter.drafters[1].model, (lambda: lookup), "composite"
+            lookup, model_drafter = drafter.drafters
+            model_drafter.model = current_draft(model_drafter.model)
+            draft_model, own, name = model_drafter.model, (lambda: lookup), "composite"
         elif drafter is not None:
             own, name = (lambda: drafter), getattr(drafter, "source", None) or "own"
         return Scheduler(

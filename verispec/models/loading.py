@@ -83,6 +83,22 @@ class LoadedModel:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def weights_identity(directory: Path) -> str:
+    """What names a model's weights in a remembered choice (16 hex digits): a catalog model's GGUF sha256, else
+    each weight file's name, size and modification time."""
+    marker = directory / CACHE_MARKER
+    if marker.exists():
+        try:
+            sha256 = json.loads(marker.read_text()).get("sha256")
+        except (OSError, ValueError):
+            sha256 = None
+        if sha256:
+            return sha256[:16]
+    files = sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
+    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
+    return hashlib.sha256(stamp.encode()).hexdigest()[:16]
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -77,11 +77,16 @@ def remembered_choice(kind: str, measure: Callable[[], dict]) -> dict:
     table = _read_choices(path)
     if key not in table:
         table[key] = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
-        scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
+        _write_choices(path, _read_choices(path) | {key: table[key]})  # what others wrote while this one measured
     return table[key]
+
+
+def forget_choice(kind: str) -> None:
+    """Drop what remembered_choice kept for `kind` on this machine, so the next call measures again."""
+    path = cache_root() / FORMAT_CHOICES_FILE
+    table = _read_choices(path)
+    if table.pop(f"{kind}{_machine_suffix()}", None) is not None:
+        _write_choices(path, table)
 
 
 def remembered_choices() -> dict[str, dict]:
@@ -99,6 +104,13 @@ def consulted_kinds() -> frozenset[str]:
 def _machine_suffix() -> str:
     """What follows the kind in a remembered choice's key: the machine and software it was timed on."""
     return f" | {cpu_model()} | {os.cpu_count()} cores | torch {torch.__version__}"
+
+
+def _write_choices(path: Path, table: dict[str, dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
+    scratch.replace(path)  # atomic: a concurrent reader sees the old table or the new one
 
 
 def _read_choices(path: Path) -> dict[str, dict]:

@@ -25,6 +25,7 @@ verispec cache. The same extension holds the one-query-at-a-time attention kerne
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -86,11 +87,16 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _build_directory() -> Path:
+@functools.cache
+def build_digest() -> str:
+    """What names a build of the kernels: their sources, compile flags and torch version (12 hex digits)."""
     sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     recipe = sources + " ".join([*compile_flags(), torch.__version__]).encode()
-    digest = hashlib.sha256(recipe).hexdigest()[:12]
-    path = cache_root() / "kernels" / f"w4a8-{digest}"
+    return hashlib.sha256(recipe).hexdigest()[:12]
+
+
+def _build_directory() -> Path:
+    path = cache_root() / "kernels" / f"w4a8-{build_digest()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 import torch
 
 from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_drafter
+from verispec.drafters.draft_format import replace_format
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
 from verispec.config import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
@@ -235,6 +236,7 @@ class Scheduler:
             if draft_model is not None
             else None
         )
+        self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
         self._prefilling: _Sequence | None = None  # the prompt going in, in row len(active)
         self._step_seconds: float | None = None  # moving average of a decoding step
@@ -602,6 +604,8 @@ class Scheduler:
                 self._catch_up_limit(), [s.grammar for s in active], [len(s.prompt_ids) for s in active],
             )
             seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
+            if sum(drafting) == 1:
+                self._check_draft_format(seconds[model] / k_step)
             for row, error in self.draft.faults.items():  # a row's own sampling or grammar failed while drafting
                 active[row].fault = error
             self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
@@ -621,6 +625,15 @@ class Scheduler:
                 proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
             trimmed.append(proposal)
         return trimmed, seconds
+
+    def _check_draft_format(self, forward_seconds: float) -> None:
+        """Feed one one-row draft forward to the draft's format check; where another format is remembered as
+        MARGIN faster, time the formats again and draft with the new choice (its rows' caches stay: any draft
+        is verified exactly, so old keys from another format cost acceptance at most)."""
+        check = getattr(self.draft.model, "format_check", None)
+        if check is not None and check.observe(forward_seconds):
+            self.draft.model = replace_format(self.draft.model)
+            self.draft_format_replacements += 1
 
     @staticmethod
     def _own_proposal(sequence: _Sequence, k: int) -> Proposal:

@@ -1,0 +1,192 @@
+"""A draft model's weight format: chosen from whole timed forwards, and checked against what drafting costs.
+
+On a CPU the draft's cost per forward, not its accuracy, decides what speculation gains (any draft
+distribution is verified exactly), and one linear timed alone misjudges a whole forward: on a Zen 4 one
+MLP linear made w8a8-u8 look twice as fast as w4a8, while the whole draft forward cost 42.7 ms against
+15.3 ms. So `auto` quantizes copies of the loaded draft into every candidate format and times one-row
+forwards of all of them side by side (forward_costs), once per machine, torch version, kernel build and
+weights (remembered_choice). A remembered choice is checked against forwards timed later, at load and
+while drafting (FormatCheck): when the format in force costs MARGIN times another candidate's remembered
+cost, the choice is measured again and the draft is replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from verispec.models import w4a8
+from verispec.models.forward_cost import forward_costs
+from verispec.models.linear import FORMATS, FormatChoice, w4a8_choice, w8a8_available
+from verispec.models.loading import LoadedModel, build_kernel, load_model, weights_identity
+from verispec.models.machine import forget_choice, remembered_choice
+from verispec.models.transformer import Transformer
+
+QUANTIZATIONS = ("auto", *FORMATS)
+DRAFT_W8A8_UNAVAILABLE = (
+    "--draft-quantize w8a8: oneDNN's int8 kernels do not run here, or their sums are not exact (no VNNI or AMX); "
+    "use int4, w4a8 or none"
+)
+MARGIN = 1.5  # the format in force may cost this many times another candidate's remembered cost before it is re-timed
+WINDOW = 16  # one-row draft forwards, timed while drafting, whose median is checked
+CHECK_ROUNDS = 5  # one-row forwards timed at load to check a remembered choice (after 2 warm-up ones)
+
+
+def draft_candidates(quantize: str, dtype: torch.dtype, dtype_asked: bool = True) -> tuple[str, ...]:
+    """The quantized formats `quantize` times for a draft in `dtype` (auto times dense beside them); empty where
+    nothing is timed.
+
+    "auto" times int4, w8a8 (both activation kinds, where oneDNN's sums are exact) and w4a8 (where its kernel
+    runs) in bfloat16, or in a float32 that `--dtype auto` chose (a CPU without bfloat16 dot products: int4,
+    which needs bfloat16, then fails to run and drops out); "w8a8" times its two activation kinds.
+    """
+    if quantize == "w8a8" or (quantize == "auto" and (dtype == torch.bfloat16 or not dtype_asked)):
+        candidates = ("w8a8-s8", "w8a8-u8") if w8a8_available() else ()
+        if quantize == "auto":
+            candidates = ("int4",) + candidates + (("w4a8",) if w4a8.unavailable_reason() is None else ())
+        return candidates
+    return ()
+
+
+@dataclass
+class FormatCheck:
+    """The remembered draft format in force and what checking it takes; quantize_draft sets one on the draft's
+    Transformer as `format_check`, and the scheduler feeds it the one-row draft forwards it times."""
+
+    kind: str  # the remembered choice's kind
+    chosen: str  # the candidate in force, e.g. "w4a8" or "w8a8-u8"
+    remembered: dict[str, float]  # candidate -> seconds of one one-row forward, when the choice was made
+    directory: Path  # the draft's weights, to load it dense again
+    quantize: str
+    candidates: tuple[str, ...]
+    observed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    replaced_by: Transformer | None = None  # the draft in the format timed again (replace_format)
+
+    def faster_candidate(self, seconds: float) -> str | None:
+        """The remembered candidate that costs less than 1 / MARGIN of `seconds` (a forward in the format in
+        force), if any."""
+        others = {name: cost for name, cost in self.remembered.items() if name != self.chosen}
+        if not others:
+            return None
+        best = min(others, key=others.get)
+        return best if seconds > MARGIN * others[best] else None
+
+    def observe(self, seconds: float) -> bool:
+        """One one-row draft forward timed while drafting: True when the median of the last WINDOW ones says
+        another candidate is MARGIN faster (then `replace_format`)."""
+        self.observed.append(seconds)
+        return len(self.observed) == WINDOW and self.faster_candidate(statistics.median(self.observed)) is not None
+
+
+def quantize_draft(
+    draft: LoadedModel, quantize: str = "auto", progress: bool = False, dtype_asked: bool = True
+) -> FormatChoice:
+    """Put a dense draft in the format `quantize` resolves to and return that choice.
+
+    auto: the fastest of draft_candidates and dense by whole one-row forwards (remembered per machine and
+    weights; a remembered choice that a check at load finds MARGIN slower than another candidate is timed
+    again); "w8a8" times its two activation kinds; any other format is taken as asked. `draft.model` may be
+    replaced (by the timed copy in the chosen format).
+    """
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    build_kernel(quantize, progress)  # w4a8 is a candidate for drafts: its quality costs nothing
+    draft.model.invariant_attention = False  # a draft needs speed, not batch invariance (and is timed so)
+    dtype = draft.model.dtype
+    candidates = draft_candidates(quantize, dtype, dtype_asked)
+    if quantize == "w8a8" and not candidates:
+        raise ValueError(DRAFT_W8A8_UNAVAILABLE)
+    if candidates:
+        choice = _timed_choice(draft, quantize, candidates, check=True)
+    else:
+        choice = _format_of("none" if quantize == "auto" else quantize, dtype)
+        if choice.weight_format != "none":
+            draft.model.quantize(choice.weight_format, choice.activations)
+    draft.model.invariant_attention = False  # (a timed copy may have replaced the model)
+    return choice
+
+
+def replace_format(model: Transformer) -> Transformer:
+    """The draft of `model` (whose format_check found a faster candidate) in a format timed again now: the
+    remembered choice is forgotten, the dense weights loaded again and every candidate timed. Holders of
+    `model` find the new one with current_draft."""
+    check: FormatCheck = model.format_check
+    forget_choice(check.kind)
+    dense = load_model(check.directory, model.dtype)
+    dense.model.invariant_attention = False
+    _timed_choice(dense, check.quantize, check.candidates, check=False)
+    check.replaced_by = dense.model
+    return dense.model
+
+
+def current_draft(model: Transformer) -> Transformer:
+    """`model`, or the draft that replace_format put in its place (and so on)."""
+    while (check := getattr(model, "format_check", None)) is not None and check.replaced_by is not None:
+        model = check.replaced_by
+    return model
+
+
+def _timed_choice(draft: LoadedModel, quantize: str, candidates: tuple[str, ...], check: bool) -> FormatChoice:
+    """The fastest candidate by whole one-row forwards, remembered; `draft` is put in it."""
+    timed: dict[str, Transformer] = {}
+    everything = candidates + (("none",) if quantize == "auto" else ())
+    dtype_name = str(draft.model.dtype).removeprefix("torch.")
+    kind = (f"draft {quantize} {dtype_name} among {','.join(everything)} | weights {weights_identity(draft.directory)}"
+            f" | kernels {w4a8.build_digest()}")
+
+    def measure() -> dict:
+        timed.update(_copies_in_formats(draft.model, everything))
+        if not timed:
+            return {"best": None, "seconds": {}}
+        seconds = {name: costs[1] for name, costs in forward_costs(timed, rows=(1,)).items()}
+        return {"best": min(seconds, key=seconds.get), "seconds": seconds}
+
+    kept = remembered_choice(kind, measure)
+    if kept["best"] is None:
+        raise ValueError(DRAFT_W8A8_UNAVAILABLE)
+    choice = _format_of(kept["best"], draft.model.dtype, kept["seconds"])
+    if timed:
+        draft.model = timed[kept["best"]]
+    elif choice.weight_format != "none":
+        draft.model.quantize(choice.weight_format, choice.activations)
+    draft.model.format_check = FormatCheck(kind, kept["best"], kept["seconds"], draft.directory, quantize, candidates)
+    if check and not timed:  # remembered: does it still hold?
+        seconds = forward_costs({"chosen": draft.model}, rows=(1,), rounds=CHECK_ROUNDS)["chosen"][1]
+        if draft.model.format_check.faster_candidate(seconds) is not None:
+            forget_choice(kind)
+            draft.model = load_model(draft.directory, draft.model.dtype).model
+            draft.model.invariant_attention = False
+            return _timed_choice(draft, quantize, candidates, check=False)
+    return choice
+
+
+def _copies_in_formats(dense: Transformer, candidates: tuple[str, ...]) -> dict[str, Transformer]:
+    """candidate -> the dense model (for "none") or a copy of it in that format; formats that cannot run here
+    (int4 in float32, a kernel this CPU lacks) are left out."""
+    models = {}
+    for candidate in candidates:
+        if candidate == "none":
+            models[candidate] = dense
+            continue
+        choice = _format_of(candidate, dense.dtype)
+        model = copy.deepcopy(dense)
+        try:
+            model.quantize(choice.weight_format, choice.activations)
+            model.forward(torch.zeros(1, 1, dtype=torch.long), model.new_cache(1, 2))  # runs here?
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        models[candidate] = model
+    return models
+
+
+def _format_of(candidate: str, dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
+    """"w8a8-u8" -> FormatChoice("w8a8", "u8"); w4a8 takes the activations its prefill passes measured fastest."""
+    weight_format, _, activations = candidate.partition("-")
+    if weight_format == "w4a8":
+        activations = w4a8_choice(dtype).activations
+    return FormatChoice(weight_format, activations or "s8", seconds)
