@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
     gen.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     gen.add_argument(
-        "--drafter", default="draft-model", choices=DRAFTERS,
-        help="how drafts are proposed: a same-tokenizer draft model, prompt lookup, a suffix index, "
-        "a draft model with another tokenizer, or lookup with a draft-model fallback (composite)",
+        "--drafter", default="composite", choices=DRAFTERS,
+        help="how drafts are proposed: lookup with a draft-model fallback (composite, the default: fastest in the "
+        "committed benchmarks), a same-tokenizer draft model, prompt lookup, a suffix index, or a draft model with "
+        "another tokenizer",
     )
     gen.add_argument("--corpus", type=Path, action="append", default=[], help="files/directories for --drafter suffix-index")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -101,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
     serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     serve.add_argument(
-        "--drafter", default="draft-model", choices=SERVED_DRAFTERS,
-        help="how drafts are proposed: a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
-        "composite (each request's suffix index where its text recurs, else the draft model), cross-tokenizer "
+        "--drafter", default="composite", choices=SERVED_DRAFTERS,
+        help="how drafts are proposed: composite (the default: each request's suffix index where its text recurs, "
+        "else the batched draft model), a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
+        "cross-tokenizer "
         "(a draft model with its own vocabulary, one per request), or none",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cross-draft", default="smollm2-135m-instruct", help="draft model (own tokenizer) for cross")
     parser.add_argument("--corpus", type=Path, action="append", default=[], help="files/directories for suffix")
     parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
-    parser.add_argument("--modes", type=parse_modes, default=["plain", "spec"], help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--k", type=parse_k_list, default=[5], help="draft lengths, e.g. 1,2,4,8")
+    parser.add_argument("--modes", type=parse_modes, default=["plain", "composite"],
+                        help=f"comma list of {', '.join(MODES)} (default: plain and the default drafter, composite)")
+    parser.add_argument("--k", type=parse_k_list, default=["auto"], help="draft lengths, e.g. 1,2,4,8, or auto (default)")
     parser.add_argument("--hf-k", type=parse_k_list, default=None, help="constant draft lengths for hf-assisted (default: --k)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -131,6 +132,38 @@ def build_modes(args, target, console) -> list:
                 if k != "auto"
             ]
     return modes
+
+
+def made_choices(targets: list, modes: list) -> dict:
+    """What the run chose by itself: each target's format and what auto timed for it, each draft model's format
+    and its timed one-row forwards (seconds), each mode's drafter and k."""
+    drafts, ours = {}, [m for m in modes if hasattr(m, "engine")]  # Hugging Face's modes choose nothing
+    for mode in ours:
+        drafter = mode.engine.drafter
+        for part in getattr(drafter, "drafters", [drafter]):
+            check = getattr(getattr(part, "model", None), "format_check", None)
+            if check is not None:
+                drafts[check.chosen] = check.remembered
+    return {
+        "targets": [t.format.as_dict() for t in targets],
+        "draft_formats": drafts,
+        "modes": {m.name: {"drafter": type(m.engine.drafter).__name__, "k": m.k} for m in ours},
+    }
+
+
+def choice_lines(choices: dict) -> list[str]:
+    """made_choices as the lines the bench prints under its table."""
+    lines = []
+    for target in choices["targets"]:
+        timed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in target["measured_seconds"].items())
+        lines.append(f"target format: {target['format']} ({target['dtype']})" + (f"; auto timed {timed}" if timed else ""))
+    for chosen, seconds in choices["draft_formats"].items():
+        timed = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in sorted(seconds.items(), key=lambda item: item[1]))
+        lines.append(f"draft format: {chosen}; one-row forwards timed: {timed}")
+    for name, mode in choices["modes"].items():
+        if mode["k"] != 0:
+            lines.append(f"{name}: drafter {mode['drafter']}, k {mode['k']}")
+    return lines
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -245,6 +278,9 @@ def run_bench(args: argparse.Namespace) -> int:
     for summary in summaries:
         table.add_row(*[escape(cell) for cell in cells(summary)])  # "[none]" is not rich markup
     Console().print(table)
+    choices = made_choices(targets, modes)
+    for line in choice_lines(choices):
+        Console().print(escape(line))
 
     args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_description()
@@ -269,6 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "note": "peak_rss_gib is for the whole process: all modes share it",
         "commit": git_commit(),  # the checkout that ran (None outside one); benchmarks/results/ files by kind
         "machine_kind": machine_kind(),
+        "choices": choices,
     }
     write_results(args.out, meta, summaries, results)
     plots = plot(args.out, summaries, results)
