@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -140,3 +141,32 @@ def test_model_paths_command_needs_known_installed_models(capsys):
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["models", "qwen2.5-coder-1.5b-instruct"]) == 2
     assert "--paths" in capsys.readouterr().err
+
+
+def test_two_processes_needing_one_model_convert_it_once(monkeypatch, tmp_path):
+    """Two replicas (or test workers) loading a model nobody converted yet: one converts, the other waits for it
+    and reads the result (they used to share one scratch directory and delete each other's files)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    runs = []
+
+    def slow_conversion(final, write_gguf, source, progress):
+        runs.append(threading.current_thread().name)
+        time.sleep(0.3)  # the other caller arrives meanwhile
+        final.mkdir(parents=True)
+        (final / loading.CACHE_MARKER).write_text(json.dumps({**source, "layout": loading.CACHE_LAYOUT}))
+        return final
+
+    monkeypatch.setattr(loading, "_convert_unlocked", slow_conversion)
+    paths = []
+    callers = [
+        threading.Thread(target=lambda: paths.append(loading._convert_into_cache("m", None, {"gguf": "x"}, False)))
+        for _ in range(2)
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(runs) == 1 and paths == [loading.cached_dir("m")] * 2 and loading.is_cached("m")

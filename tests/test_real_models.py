@@ -6,14 +6,11 @@ float32 equals plain greedy output token for token on real code prompts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from conftest import REAL_THREADS
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
-from verispec.cli import main
 from verispec.bench.workloads import humaneval as humaneval_prompts
 
 pytestmark = pytest.mark.real
@@ -103,33 +100,3 @@ def test_float32_server_batch_equals_single_requests(qwen_f32, plain_f32):
     stats = [e[-1].stats for e in events]
     assert sum(s.accepted_tokens for s in stats) / sum(s.drafted_tokens for s in stats) > 0.5
     assert sum(s.target_forwards for s in stats) < sum(lengths)  # speculation really saved target steps
-
-
-def test_cli_json_speculative_equals_plain(capsys):
-    prompt = 'def count_vowels(text: str) -> int:\n    """Count the vowels in text."""\n'
-    common = ["generate", "--json", "--target", TARGET, "--prompt", prompt, "--max-new-tokens", "32", "--dtype", "float32"]
-    assert main([*common, "--draft", "none"]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main([*common, "--draft", DRAFT, "--k", "4"]) == 0
-    spec = json.loads(capsys.readouterr().out)
-    assert spec["token_ids"] == plain["token_ids"]
-    assert spec["stats"]["mean_tokens_per_target_forward"] > 1.5
-
-
-def test_bfloat16_int4_drafter_is_lossless_against_bf16_plain():
-    """Quantizing the draft changes acceptance only; the bf16 target decides every token."""
-    target = load_model(TARGET, "bfloat16")
-    drafter = load_draft_model(DRAFT, target, "bfloat16", quantize="int4")
-    prompt = humaneval_prompts()[0]["prompt"]
-    result = SpeculativeEngine(target, drafter).generate(prompt, GenerationConfig(max_new_tokens=24, k=4))
-    assert result.stats.acceptance_rate > 0.5
-    assert len(result.token_ids) == 24
-
-
-def test_smollm2_loads_from_its_package_and_refuses_to_draft_for_qwen():
-    smol = load_model("smollm2-135m-instruct", "float32")
-    text = SpeculativeEngine(smol).generate(smol.apply_chat_template("What is 2+2?"), GenerationConfig(max_new_tokens=12, k=0)).text
-    assert "4" in text
-    qwen = load_model(DRAFT, "float32")
-    with pytest.raises(ValueError, match="different tokenizer"):
-        load_draft_model("smollm2-135m-instruct", qwen, "float32")

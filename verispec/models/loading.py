@@ -153,9 +153,33 @@ def convert_gguf(gguf_path: Path, destination: Path, progress: bool = False) -> 
     tokenizer.save_pretrained(destination)
 
 
+@contextlib.contextmanager
+def _cache_lock(name: str):
+    """Holds an exclusive lock on one cache entry: two processes that need the same model at once (two replicas,
+    two test workers) convert it once, the second waiting for the first, never into each other's scratch files."""
+    import fcntl
+
+    path = cache_root() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _convert_into_cache(name: str, write_gguf, source: dict, progress: bool) -> Path:
-    """Run a conversion in a scratch directory and move it into place only once it is complete."""
+    """Run a conversion in a scratch directory and move it into place only once it is complete (under the entry's
+    lock: a process that waited finds it done)."""
     final = cached_dir(name)
+    with _cache_lock(name):
+        if is_cached(name):
+            return final
+        return _convert_unlocked(final, write_gguf, source, progress)
+
+
+def _convert_unlocked(final: Path, write_gguf, source: dict, progress: bool) -> Path:
     scratch = final.with_name(final.name + ".partial")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -198,14 +222,17 @@ def prepare_catalog_gguf(entry: CatalogEntry, progress: bool = False) -> Path:
     final = cached_gguf(entry.name)
     if _gguf_is_ready(entry):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(final.name + ".partial")
-    try:
-        _assemble(entry, partial, progress)
-        partial.rename(final)
-        _gguf_checked_marker(entry.name).write_text(entry.sha256 + "\n")
-    finally:
-        partial.unlink(missing_ok=True)
+    with _cache_lock(f"{entry.name}.gguf"):
+        if _gguf_is_ready(entry):  # another process assembled it while this one waited
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = final.with_name(final.name + ".partial")
+        try:
+            _assemble(entry, partial, progress)
+            partial.rename(final)
+            _gguf_checked_marker(entry.name).write_text(entry.sha256 + "\n")
+        finally:
+            partial.unlink(missing_ok=True)
     return final
 
 
