@@ -163,3 +163,13 @@ def test_make_drafter_errors(target):
     with pytest.raises(ValueError, match="needs a draft model"):
         make_drafter("cross-tokenizer", target, None)
     assert make_drafter("none", target) is None
+
+
+def test_the_default_drafter_is_composite_and_no_draft_model_means_plain():
+    from verispec.drafters import drafter_for
+
+    assert drafter_for(None, "qwen2.5-coder-0.5b-instruct") == "composite"
+    assert drafter_for(None, "none") == drafter_for(None, None) == "none"  # `--draft none`: plain decoding
+    assert drafter_for("draft-model", "None") == "none"
+    assert drafter_for("suffix-index", "none") == "suffix-index"  # needs no draft model
+    assert drafter_for("composite", "none") == "composite"  # named: refused later with what to pass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters import DRAFTERS
+from verispec.drafters import DRAFTERS, drafter_for
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
     gen.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     gen.add_argument(
-        "--drafter", default="composite", choices=DRAFTERS,
+        "--drafter", default=None, choices=DRAFTERS,
         help="how drafts are proposed: lookup with a draft-model fallback (composite, the default: fastest in the "
         "committed benchmarks), a same-tokenizer draft model, prompt lookup, a suffix index, or a draft model with "
         "another tokenizer",
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
     serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
     serve.add_argument(
-        "--drafter", default="composite", choices=SERVED_DRAFTERS,
+        "--drafter", default=None, choices=SERVED_DRAFTERS,
         help="how drafts are proposed: composite (the default: each request's suffix index where its text recurs, "
         "else the batched draft model), a same-tokenizer draft model (batched), prompt lookup, a suffix index, "
         "cross-tokenizer "
@@ -279,6 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             schema = json.loads(args.json_schema.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"--json-schema {args.json_schema}: cannot read a JSON schema there ({error})") from None
+    args.drafter = drafter_for(args.drafter, args.draft)
     needs_model = args.drafter in ("draft-model", "cross-tokenizer", "composite")
     plain = args.drafter == "none" or args.k == 0 or (needs_model and args.draft.lower() == "none")
     config = GenerationConfig(
@@ -387,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.serving.scheduler import MODEL_DRAFTERS, SchedulerLimits, build_scheduler, start_in_model_thread
 
     sock = _listen(args.host, args.port)
-    drafter = "none" if args.drafter == "draft-model" and args.draft.lower() == "none" else args.drafter
+    drafter = drafter_for(args.drafter, args.draft)
     metrics = ServerMetrics()
     limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context, args.prefix_cache_mb << 20)
     try:  # the models are loaded and run in one thread of their own (see start_in_model_thread)

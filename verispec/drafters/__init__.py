@@ -17,6 +17,16 @@ from verispec.models.loading import LoadedModel, load_model
 
 COMPOSITE_MIN_MATCH = 3  # a shorter recurring context is weak evidence: let the draft model guess instead
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix-index", "cross-tokenizer", "composite", "none")
+DEFAULT_DRAFTER = "composite"  # the fastest in the committed benchmarks at one client (benchmarks/results/*/TABLE.md)
+
+
+def drafter_for(drafter: str | None, draft: str | None) -> str:
+    """The drafter a command runs: the one named, else DEFAULT_DRAFTER; and plain decoding ("none") where no draft
+    model is given (`--draft none`) and the drafter was not named, or named draft-model."""
+    no_model = draft is None or draft.lower() == "none"
+    if drafter is None:
+        return "none" if no_model else DEFAULT_DRAFTER
+    return "none" if drafter == "draft-model" and no_model else drafter
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -101,6 +111,6 @@ def composite_lookup() -> SuffixIndexDrafter:
 
 __all__ = [
     "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
-    "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup",
+    "DEFAULT_DRAFTER", "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup", "drafter_for",
     "draft_candidates", "load_draft_model", "make_drafter", "quantize_draft",
 ]

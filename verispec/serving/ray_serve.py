@@ -50,7 +50,7 @@ class ReplicaSettings(BaseModel):
 
     target: str = "qwen2.5-coder-1.5b-instruct"  # catalog name, .gguf file or HF directory, on every node
     draft: str | None = "qwen2.5-coder-0.5b-instruct"  # draft model ("none": plain decoding)
-    drafter: str = "draft-model"  # one of scheduler.SERVED_DRAFTERS
+    drafter: str | None = None  # one of scheduler.SERVED_DRAFTERS; None: the default (composite, or none without a draft)
     dtype: str = "auto"
     quantize: str = "auto"
     draft_quantize: str = "auto"
@@ -92,8 +92,9 @@ class ReplicaSettings(BaseModel):
 
     @property
     def drafter_name(self) -> str:
-        plain_draft = self.draft is None or self.draft.lower() == "none"
-        return "none" if self.drafter == "draft-model" and plain_draft else self.drafter
+        from verispec.drafters import drafter_for
+
+        return drafter_for(self.drafter, self.draft)
 
 
 class ReplicaHeader:
