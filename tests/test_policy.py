@@ -273,3 +273,19 @@ def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, pa
     drafting_steps = new_tokens - stats.k_histogram.get(0, 0)
     assert 0 < drafting_steps <= 25 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
     assert stats.k_histogram.get(1, 0) >= probes // 2, stats.k_histogram
+
+
+def test_whole_steps_measured_slower_than_plain_ones_make_it_plain():
+    """The cost model says k > 0 pays (cheap drafts, all accepted); whole steps that cost more than the model
+    knows (drafting steps slower per token than plain ones) make it plain, until they measure faster again."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    run_steps(controller, 20, 1.0, 0.001, lambda n: 0.05 + 0.001 * n)
+    assert controller.choose_k() > 0  # no whole step measured: the model decides
+    controller.observe_step("draft-model", 1, 3, 0.15)  # 50 ms a token drafting ...
+    assert controller.choose_k(source="draft-model") == 0  # ... and plain never measured here: one plain step first
+    controller.observe_step(None, 1, 1, 0.04)  # plain: 40 ms a token
+    assert controller.choose_k(source="draft-model") == 0
+    for _ in range(30):  # drafting steps measured faster now (say, after a probe that found a better state)
+        controller.observe_step("draft-model", 1, 3, 0.09)
+    assert controller.choose_k(source="draft-model") > 0
+    assert controller.choose_k(batch_size=1, source="other") > 0  # another source's steps were not measured

@@ -22,6 +22,14 @@ When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1
 token) so it notices when the drafter starts to agree again; unless the costs alone rule drafting
 out (it would not pay even if every draft were accepted), when a probe could learn nothing.
 
+The cost model leaves out what a step costs besides the draft and the verify pass (sampling, acceptance,
+a draft model's small catch-ups, Python), which differs between drafting and plain steps; on an AVX2-only
+CPU it predicted a 13% gain from k = 1 where whole steps measured none. So whole steps are measured too:
+seconds per committed token of steps in which one source drafted, and of plain steps, per batch size
+(observe_step). Where that source's steps measure slower than plain ones, plain decoding is chosen
+whatever the model says (probes keep the drafting figure current); where plain steps were never
+measured at a batch size, one is taken to anchor the comparison.
+
 A draft model far behind a sequence (its prompt, or plain steps it sat out) must first catch up on
 those tokens, once. That is not the cost of a draft position, so it is kept apart (catch_up_per_token)
 and weighed by `catch_up_pays` against what drafting saves over the sequence's remaining tokens.
@@ -85,6 +93,8 @@ class AdaptiveController:
     chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
     probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
     catch_up_per_token: float | None = None  # seconds a draft model takes per committed token it catches up on
+    # (source that drafted, or None for a plain step; batch size) -> seconds per committed token of a whole step
+    step_cost: dict[tuple[str | None, int], float] = field(default_factory=dict)
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
@@ -144,6 +154,8 @@ class AdaptiveController:
                 best_rate, k = max(rates)
                 if k > 0 and best_rate < (1 + self.settings.min_gain) * rates[0][0]:
                     k = 0  # within noise of plain decoding: a measured gain this small is no gain
+                if k > 0 and self._whole_steps_say_plain(source, batch_size):
+                    k = 0
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 self.plain_streak += 1
                 # A probe drafts for every sequence in the batch, so a big batch probes less often.
@@ -256,6 +268,21 @@ class AdaptiveController:
         if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
             for name in list(self.recent_sources):
                 self.recent_sources[name] //= 2
+
+    def observe_step(self, source: str | None, batch_size: int, tokens: int, seconds: float) -> None:
+        """Record a whole step of `batch_size` sequences that committed `tokens` in `seconds`, in which only
+        `source` drafted (None: a plain step)."""
+        if tokens > 0:
+            key = (source, batch_size)
+            self.step_cost[key] = moving_average(self.step_cost.get(key), seconds / tokens, self.settings.smoothing)
+
+    def _whole_steps_say_plain(self, source: str, batch_size: int) -> bool:
+        """Whether a step drafting from `source` should be plain: its whole steps measured slower per token than
+        plain ones at this batch size, or plain ones not measured yet (once drafting ones were)."""
+        drafting, plain = self.step_cost.get((source, batch_size)), self.step_cost.get((None, batch_size))
+        if drafting is None:
+            return False
+        return plain is None or drafting > plain
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """Record a draft model feeding `tokens` committed tokens it had not seen (a prompt, plain steps)."""

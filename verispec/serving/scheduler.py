@@ -758,6 +758,12 @@ class Scheduler:
                 done.append((sequence, finish_reason))
         if not chunk:  # the streams' steady step, which a chunk may lengthen by its share (see _packed_chunk)
             self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
+            drafters = {p.source or self.drafter for p in proposals if p.num_tokens}
+            if len(drafters) <= 1:  # a whole step, one source's or plain (a draft model's catch-up is weighed apart)
+                catch_up = self.draft.catch_up_seconds if BatchedDraftModel.source in drafters else 0.0
+                self.controller.observe_step(
+                    next(iter(drafters), None), n, sum(map(len, new_tokens)), time.perf_counter() - started - catch_up
+                )
         if self.metrics is not None:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
         if chunk:
