@@ -61,6 +61,20 @@ def test_positions_never_reached_borrow_the_acceptance_seen_before_them():
     assert controller.choose_k() == 2
 
 
+def test_vain_probes_come_ever_further_apart_and_a_draft_that_pays_resets_them():
+    controller = AdaptiveController(ControllerSettings(k_max=4, probe_every=8))
+    probes_at = []
+    for step in range(600):
+        k = controller.choose_k()
+        if controller.probing:
+            probes_at.append(step)
+        controller.observe("draft-model", k, 0, 0.05 * k, k + 1, 0.2 + 0.005 * (k + 1))
+    gaps = [later - earlier for earlier, later in zip(probes_at, probes_at[1:])]
+    assert gaps[:4] == [16, 32, 64, 128] and controller.probe_backoff == 16  # probes 16, 32, ... steps apart
+    run_steps(controller, 300, 1.0, 0.001, lambda n: 0.2)
+    assert controller.probe_backoff == 1  # drafting paid again: probes at their first pace
+
+
 def test_stops_speculating_when_drafts_never_pass_but_keeps_probing():
     controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=8))
     chosen = run_steps(controller, 80, 0.0, 0.05, lambda n: 0.2 + 0.005 * n)
@@ -83,15 +97,16 @@ def probes(batch_size: int, verify_cost: dict[int, float], draft_cost: dict[int,
 
 def test_a_large_batch_probes_less_often():
     cheap_verify = {1: 0.2, 16: 0.4, 32: 0.5, 48: 0.6, 64: 0.7, 80: 0.8}
-    assert probes(1, cheap_verify, {1: 0.02, 16: 0.05}) == 256 // 8  # every 8th step: 7 plain, then one probe
-    assert probes(16, cheap_verify, {1: 0.02, 16: 0.05}) == 256 // 128
+    # after 8 plain steps, then 16, 32, 64, 128: each vain probe doubles the wait
+    assert probes(1, cheap_verify, {1: 0.02, 16: 0.05}) == 5
+    assert probes(16, cheap_verify, {1: 0.02, 16: 0.05}) == 1  # after 128 steps, then 256
 
 
 def test_no_probes_when_cost_alone_rules_drafting_out():
     """At batch 16 verifying 2 tokens per sequence costs 2.5x one: even perfect drafts cannot pay."""
     costly_verify = {1: 0.2, 16: 0.4, 32: 1.0, 48: 1.6, 64: 2.2, 80: 2.8}
     assert probes(16, costly_verify, {1: 0.02, 16: 0.2}) == 0
-    assert probes(1, costly_verify, {1: 0.02, 16: 0.2}) == 256 // 8  # a single sequence still probes
+    assert probes(1, costly_verify, {1: 0.02, 16: 0.2}) == 5  # a single sequence still probes
 
 
 def test_recovers_when_the_drafter_starts_to_agree_again():
@@ -243,7 +258,8 @@ class NeverAgrees:
 @pytest.mark.parametrize("path", ["library", "server"])
 def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, path):
     """Step for step, plain: every target forward yields one token, and drafts are only the probes that notice a
-    change (the first steps, then one token every probe_every steps), in the library and the server alike."""
+    change (the first steps, then one token after probe_every steps, 2x, 4x ... as many), in the library and the
+    server alike."""
     from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
     target = load_model(str(tiny_dir), "float32")
@@ -267,9 +283,9 @@ def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, pa
         tokens, stats = [t for e in events for t in e.token_ids], events[-1].stats
     assert tokens == plain
     assert stats.accepted_tokens == 0 and stats.target_forwards == new_tokens  # one token a forward, as plain
-    # Learning that the drafts fail (acceptance falls from its prior by 15% a step: ~20 steps), then a k = 1 probe
-    # every probe_every plain steps; every other step is a plain one.
-    probes = new_tokens // ControllerSettings().probe_every
+    # Learning that the drafts fail (acceptance falls from its prior by 15% a step: ~20 steps), then k = 1 probes
+    # after probe_every plain steps, then twice as many, and so on (vain probes back off): 8 + 16 + 32 + 64 < 180.
+    probes = 4
     drafting_steps = new_tokens - stats.k_histogram.get(0, 0)
     assert 0 < drafting_steps <= 25 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
     assert stats.k_histogram.get(1, 0) >= probes // 2, stats.k_histogram

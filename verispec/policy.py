@@ -19,7 +19,8 @@ and costs more per token, so the same acceptance buys less and the chosen k fall
 
 The first step at a batch size b > 1 is plain (k = 0): its cost anchors what each extra token costs.
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
-token) so it notices when the drafter starts to agree again; unless the costs alone rule drafting
+token) so it notices when the drafter starts to agree again (each probe that finds plain decoding still best
+doubles that wait, up to MAX_PROBE_BACKOFF times); unless the costs alone rule drafting
 out (it would not pay even if every draft were accepted), when a probe could learn nothing.
 
 The cost model leaves out what a step costs besides the draft and the verify pass (sampling, acceptance,
@@ -59,6 +60,10 @@ class ControllerSettings:
     min_gain: float = 0.05
 
 
+# Probes that keep finding plain decoding best come ever further apart, up to this many times probe_every: a
+# probe makes a draft model catch up on every token since the last one (on Zen 3, probes every 8 steps cost a
+# request 10% with nothing to find).
+MAX_PROBE_BACKOFF = 16
 ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
 MIN_REACHED = 3  # a draft position reached fewer times than this borrows the acceptance of the one before
 
@@ -92,6 +97,7 @@ class AdaptiveController:
     plain_streak: int = 0
     chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
     probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
+    probe_backoff: int = 1  # probes come probe_every * batch size * this steps apart; doubled by each vain probe
     catch_up_per_token: float | None = None  # seconds a draft model takes per committed token it catches up on
     # (source that drafted, or None for a plain step; batch size) -> seconds per committed token of a whole step
     step_cost: dict[tuple[str | None, int], float] = field(default_factory=dict)
@@ -134,7 +140,7 @@ class AdaptiveController:
         the context recurs, else its draft model), whose acceptance and cost then decide; None = the
         source seen most in recent steps. drafting_rows: how many of the sequences it drafts for (None: all).
         """
-        self.probing = False
+        after_probe, self.probing = self.probing, False
         if source is None:
             source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
         if batch_size > 1 and batch_size not in self.verify_cost:
@@ -157,14 +163,17 @@ class AdaptiveController:
                 if k > 0 and self._whole_steps_say_plain(source, batch_size):
                     k = 0
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
+                if after_probe:  # the probe found drafting still does not pay: wait longer for the next
+                    self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF)
                 self.plain_streak += 1
                 # A probe drafts for every sequence in the batch, so a big batch probes less often.
-                if self.plain_streak >= self.settings.probe_every * batch_size:
+                if self.plain_streak >= self.settings.probe_every * batch_size * self.probe_backoff:
                     self.plain_streak = 0
                     k = 1
                     self.probing = True
             else:
                 self.plain_streak = 0
+                self.probe_backoff = 1 if k > 0 else self.probe_backoff
         self.chosen[k] += 1
         return k
 
