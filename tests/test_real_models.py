@@ -88,7 +88,9 @@ def test_float32_server_batch_equals_single_requests(qwen_f32, plain_f32):
     prompts = [humaneval_prompts()[i]["prompt"] for i in (2, 11, 47, 101)]
     lengths = [40, 24, 48, 32]  # finish at different steps: rows leave and the rest move down
     expected = [plain_f32(p, n) for p, n in zip(prompts, lengths)]
-    scheduler = Scheduler(target, drafter.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 1024))
+    # a fixed k: with k = "auto" the controller may measure plain steps faster on this machine (and
+    # under a parallel suite) and draft nothing, which would leave the batched drafting path untested
+    scheduler = Scheduler(target, drafter.model, "draft-model", k=4, limits=SchedulerLimits(4, 8, 1024))
     handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
     scheduler.start()
     try:

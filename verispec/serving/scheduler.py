@@ -760,7 +760,8 @@ class Scheduler:
             self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
             drafters = {p.source or self.drafter for p in proposals if p.num_tokens}
             if len(drafters) <= 1:  # a whole step, one source's or plain (a draft model's catch-up is weighed apart)
-                catch_up = self.draft.catch_up_seconds if BatchedDraftModel.source in drafters else 0.0
+                batched = self.draft is not None and BatchedDraftModel.source in drafters
+                catch_up = self.draft.catch_up_seconds if batched else 0.0
                 self.controller.observe_step(
                     next(iter(drafters), None), n, sum(map(len, new_tokens)), time.perf_counter() - started - catch_up
                 )
