@@ -66,13 +66,46 @@ def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", laye
     return directory
 
 
-# `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadfile),
-# so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster) are built once. The tiny models' steps are Python-bound:
+# `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadgroup with
+# a group per file, below), so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster)
+# are built once. The tiny models' steps are Python-bound:
 # one torch thread each runs them faster than two (no OpenMP hand-offs), and two workers use both cores.
 # Tests of the packaged models ask for a core each themselves (real_threads, their fixtures): two workers of two
 # threads each on two cores run a real model 5-10x slower (OpenMP threads wait for a descheduled peer).
 torch.set_num_threads(1)
 REAL_THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+# Tests of the packaged models all run on one worker, one module after another: two workers that each held a float32
+# pair (8 GB) or the default pair beside other loads went past 24 GB, the OOM killer ended one, and xdist then hung.
+# (One worker peaks at 10.6 GB on test_real_models + test_real_loading.) They are known by name: a file or a test
+# named test_real_*, which every test using a fixture below must be.
+REAL_MODEL_FIXTURES = {"default_pair", "qwen_f32", "fast_pair"}
+
+
+def scheduling_group(nodeid: str) -> str:
+    """The worker-sharing group of a test: its file (as --dist loadfile), or one group for the packaged models."""
+    path, _, name = nodeid.partition("::")
+    if Path(path).name.startswith("test_real_") or name.startswith("test_real_"):
+        return "real-models"
+    return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(item.fixturenames) and scheduling_group(item.nodeid) != "real-models":
+            raise pytest.UsageError(f"{item.nodeid} loads a packaged model: name it test_real_* (see conftest)")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with every test of the packaged models in one group (scheduling_group)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealModelsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_group(nodeid)
+
+    return RealModelsTogether(config, log)
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:

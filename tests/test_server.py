@@ -11,8 +11,6 @@ import concurrent.futures
 import copy
 import json
 import socket
-import subprocess
-import sys
 import time
 from typing import Callable, NamedTuple
 
@@ -29,9 +27,12 @@ from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.serving.app import create_app
+from verispec.serving.guard import ServerSettings
 from verispec.serving.metrics import ServerMetrics
 from verispec.serving.protocol import validation_error
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+from servers import free_port, running_server
 
 MODEL = "tiny"
 MAX_BATCH_SIZE = 8
@@ -42,47 +43,16 @@ WORDS = ["def", "add", "(a, b):", "return", "class", "Point", "for i in", "range
 PROMPTS = [" ".join(WORDS[i % 7 : i % 7 + 1 + i % 4]) + f" {i}" for i in range(32)]  # 32 distinct, ragged
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir, other_tiny_dir, tmp_path_factory) -> str:
     """Base URL of a running `verispec serve`; its log is shown if it fails to come up."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_dir), "--draft", str(other_tiny_dir),
-        "--dtype", "float32", "--port", str(port), "--threads", "1", "--k", "3",
+    arguments = [
+        "--target", str(tiny_dir), "--draft", str(other_tiny_dir), "--dtype", "float32", "--threads", "1", "--k", "3",
         "--max-batch-size", str(MAX_BATCH_SIZE), "--max-waiting", str(MAX_WAITING),
         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--served-model-name", MODEL,
     ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not become healthy:\n{log_path.read_text()}")
-            time.sleep(0.2)
+    with running_server(arguments, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -726,7 +696,7 @@ def test_no_chat_template_and_stopped_loop(target):
     tokenizer.chat_template = None
     plain = LoadedModel(target.name, target.model, tokenizer, target.eos_token_ids, target.directory)
     scheduler = Scheduler(plain, limits=SchedulerLimits(max_batch_size=1, max_context=64))  # never started
-    app = create_app(scheduler, MODEL, MAX_REQUEST_BYTES, ServerMetrics())
+    app = create_app(scheduler, ServerMetrics(), ServerSettings(MODEL, MAX_REQUEST_BYTES))
     with TestClient(app) as http:
         response = http.post("/v1/chat/completions", json=chat())
         assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]

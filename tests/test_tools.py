@@ -22,6 +22,7 @@ from conftest import CORPUS
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.serving.app import create_app
+from verispec.serving.guard import ServerSettings
 from verispec.serving.metrics import ServerMetrics
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 from verispec.serving.tools import parse_tool_calls, tool_grammar, tool_tokens
@@ -95,7 +96,7 @@ def client(models):
     scheduler = Scheduler(target, draft.model, "draft-model", k=3,
                           limits=SchedulerLimits(max_batch_size=4, max_context=2048))
     scheduler.start()
-    app = create_app(scheduler, "tiny-tools", 1 << 20, ServerMetrics())
+    app = create_app(scheduler, ServerMetrics(), ServerSettings("tiny-tools", 1 << 20))
     with TestClient(app) as http:
         yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http, max_retries=0)
     scheduler.stop()
@@ -204,7 +205,7 @@ def test_bad_tool_requests_are_400s(client, fields, param):
 
 def test_a_model_without_tool_tokens_refuses_tools(target):
     scheduler = Scheduler(target, limits=SchedulerLimits(max_batch_size=1, max_context=64))  # never started
-    app = create_app(scheduler, "tiny", 1 << 20, ServerMetrics())
+    app = create_app(scheduler, ServerMetrics(), ServerSettings("tiny", 1 << 20))
     with TestClient(app) as http:
         response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
@@ -220,7 +221,7 @@ def test_real_model_calls_the_weather_tool(default_pair, real_threads):
                                                                                      max_context=2048))
     scheduler.start()
     try:
-        with TestClient(create_app(scheduler, "qwen", 1 << 20, ServerMetrics())) as http:
+        with TestClient(create_app(scheduler, ServerMetrics(), ServerSettings("qwen", 1 << 20))) as http:
             client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http)
             for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
                 response = client.chat.completions.create(

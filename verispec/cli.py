@@ -13,6 +13,7 @@ import torch
 from verispec.drafters import DRAFTERS, drafter_for
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
+from verispec.serving.guard import ACCESS_LOG_FORMATS
 
 EXIT_USAGE = 2
 
@@ -33,6 +34,18 @@ def _non_negative_int(text: str) -> int:
 
 def _k_value(text: str) -> int | str:
     return "auto" if text == "auto" else _non_negative_int(text)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list (empty items dropped)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _port(text: str) -> int:
@@ -132,7 +145,33 @@ def build_parser() -> argparse.ArgumentParser:
                        "(w4a8, w8a8: the chunks ride in the decoding steps' own forwards), else off (see the README)")
     serve.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                        help="larger request bodies are refused with HTTP 413")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: the catalog name, or the file's or directory's name)")
+    network = serve.add_argument_group("on a network (see the README's Deploying section)")
+    network.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                         help="every /v1 request needs 'Authorization: Bearer KEY' (repeat for several keys; default: "
+                         "$VERISPEC_API_KEY, comma-separated; none: open). /health stays open")
+    network.add_argument("--metrics-need-key", action="store_true",
+                         help="/metrics needs a key too (default: open, like /health, for scrapers)")
+    network.add_argument("--request-timeout", type=_seconds, default=600.0,
+                         help="a request still generating (or queued) after this many seconds ends with what it has, "
+                         "finish_reason 'length' (default 600)")
+    network.add_argument("--header-timeout", type=_seconds, default=10.0,
+                         help="seconds a connection gets to send a request's headers, else 408 and closed (default 10)")
+    network.add_argument("--body-timeout", type=_seconds, default=30.0,
+                         help="seconds a request's body gets to arrive once its headers did, else 408 (default 30)")
+    network.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
+                         help="seconds an idle keep-alive connection stays open (default 5)")
+    network.add_argument("--max-connections", type=_positive_int, default=256,
+                         help="open connections beyond this are answered 503 and closed (default 256)")
+    network.add_argument("--allowed-origins", type=_names, default=(),
+                         help="CORS: comma-separated origins whose web pages may call the API ('*': any); default none")
+    network.add_argument("--allowed-hosts", type=_names, default=(),
+                         help="comma-separated Host headers accepted (e.g. api.example.com,*.example.com); default any")
+    network.add_argument("--docs", action="store_true", help="serve the OpenAPI docs at /docs and /openapi.json")
+    network.add_argument("--access-log", choices=ACCESS_LOG_FORMATS, default="text",
+                         help="one line per request (id, status, tokens, time to first token, tokens/s, acceptance): "
+                         "text (default), json (JSON lines) or off")
     serve.add_argument("--threads", type=_positive_int, default=None,
                        help="CPU threads (default: torch's); with --replicas, split evenly among the replicas")
     ray = serve.add_argument_group("Ray Serve (pip install -e '.[ray]'; see deploy/ray/README.md)")
@@ -334,6 +373,33 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_model_name(target: str) -> str:
+    """The model id a server answers to by default: a catalog name as it is, a file's or directory's own name."""
+    path = Path(target)
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.resolve().name if path.exists() else target
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    import os
+
+    given = args.api_key if args.api_key is not None else os.environ.get("VERISPEC_API_KEY", "").split(",")
+    return tuple(key.strip() for key in given if key.strip())
+
+
+def server_settings(args: argparse.Namespace):
+    """`serve`'s ServerSettings (how the app faces its clients) from its arguments."""
+    from verispec.serving.guard import ServerSettings
+
+    return ServerSettings(
+        model_name=args.served_model_name or served_model_name(args.target), max_request_bytes=args.max_request_bytes,
+        api_keys=api_keys(args), metrics_need_key=args.metrics_need_key, body_timeout=args.body_timeout,
+        request_timeout=args.request_timeout, allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts, docs=args.docs, access_log=args.access_log,
+    )
+
+
 def cmd_serve_replicas(args: argparse.Namespace) -> int:
     """`serve --replicas N` / `--ray-address`: the server as a Ray Serve deployment (verispec.serving.ray_serve)."""
     import os
@@ -360,7 +426,12 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, threads=threads, replicas=replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, prefix_affinity=args.prefix_affinity,
+        api_keys=list(api_keys(args)), metrics_need_key=args.metrics_need_key, body_timeout=args.body_timeout,
+        request_timeout=args.request_timeout, keep_alive_timeout=args.keep_alive_timeout,
+        allowed_origins=list(args.allowed_origins), allowed_hosts=list(args.allowed_hosts), docs=args.docs,
+        access_log=args.access_log,
     )
+    settings.server_settings()  # raises ValueError for a bad one, before Ray starts
     autoscaling = settings.autoscaling  # raises ValueError for min > max
     scaling = (f"{autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas (autoscaled)"
                if autoscaling else f"{replicas} replicas")
@@ -381,12 +452,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None or args.min_replicas is not None \
             or args.max_replicas is not None or args.prefix_affinity:
         return cmd_serve_replicas(args)
-    import uvicorn
-
     from verispec.serving.app import create_app
+    from verispec.serving.http import TransportLimits, configure_server_logging
+    from verispec.serving.http import serve as serve_http
     from verispec.serving.metrics import ServerMetrics
     from verispec.serving.scheduler import MODEL_DRAFTERS, SchedulerLimits, build_scheduler, start_in_model_thread
 
+    settings = server_settings(args)  # bad values fail before the models load
+    transport = TransportLimits(args.header_timeout, args.keep_alive_timeout, args.max_connections)
     sock = _listen(args.host, args.port)
     drafter = drafter_for(args.drafter, args.draft)
     metrics = ServerMetrics()
@@ -402,16 +475,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     if scheduler.target.format is not None:
         metrics.set_target(scheduler.target.format.as_dict())
-    model_name = args.served_model_name or args.target
-    app = create_app(scheduler, model_name, args.max_request_bytes, metrics)
+    app = create_app(scheduler, metrics, settings)
+    keys = f", {len(settings.api_keys)} API key(s)" if settings.api_keys else ", no API key (open)"
     print(
-        f"verispec: serving {model_name!r} as {scheduler.target.format.label} (drafter {drafter}, k {args.k}, batch {limits.max_batch_size}, "
-        f"context {scheduler.limits.max_context}) on http://{args.host}:{sock.getsockname()[1]}/v1",
+        f"verispec: serving {settings.model_name!r} as {scheduler.target.format.label} (drafter {drafter}, k {args.k}, "
+        f"batch {limits.max_batch_size}, context {scheduler.limits.max_context}{keys}) on "
+        f"http://{args.host}:{sock.getsockname()[1]}/v1",
         file=sys.stderr,
     )
+    configure_server_logging()
     try:
-        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        serve_http(app, sock, transport)
     finally:
         scheduler.stop()
         sock.close()

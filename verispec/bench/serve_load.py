@@ -35,7 +35,7 @@ import numpy as np
 from verispec.bench.machine import git_commit, machine_description, machine_kind
 from verispec.bench.report import format_or_dash
 from verispec.bench.servers import (
-    ServerSpec, ServerUnavailable, StartedServer, counter_delta, model_of, spec_counters,
+    ServerSpec, ServerUnavailable, StartedServer, client_headers, counter_delta, model_of, spec_counters,
 )
 from verispec.bench.workloads import load_workload
 
@@ -134,7 +134,9 @@ async def _one_request(
         # Nothing came back (a keep-alive connection the server had closed, a refused connect): send again, fresh.
         record.retries += 1
         record.error = record.error_type = None
-        async with httpx.AsyncClient(timeout=client.timeout, limits=httpx.Limits(max_keepalive_connections=0)) as fresh:
+        async with httpx.AsyncClient(
+            timeout=client.timeout, limits=httpx.Limits(max_keepalive_connections=0), headers=client.headers
+        ) as fresh:
             responded = await _stream_into(record, fresh, url, body, chat, start)
     record.finished = time.perf_counter() - start
     return record
@@ -244,7 +246,9 @@ async def run_level(
     records: list[RequestRecord] = []
     level_start = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=30.0), limits=limits, headers=client_headers()
+    ) as client:
 
         async def client_loop() -> None:
             while pending:

@@ -81,7 +81,7 @@ class StartedServer:
                     f"exited with code {self._process.returncode} before serving: {_last_line(log_path)}"
                 )
             try:
-                if httpx.get(self.spec.url.rstrip("/") + "/models", timeout=5).status_code == 200:
+                if httpx.get(self.spec.url.rstrip("/") + "/models", timeout=5, headers=client_headers()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -127,10 +127,17 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def client_headers() -> dict[str, str]:
+    """What a benchmark client sends every server: the key in $VERISPEC_API_KEY (its first, if several) or
+    $OPENAI_API_KEY, for servers started with keys; servers without keys ignore it."""
+    key = (os.environ.get("VERISPEC_API_KEY", "").split(",")[0] or os.environ.get("OPENAI_API_KEY", "")).strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def model_of(url: str) -> str:
     """The first model a server lists; also checks that the server answers at all."""
     try:
-        response = httpx.get(url.rstrip("/") + "/models", timeout=30)
+        response = httpx.get(url.rstrip("/") + "/models", timeout=30, headers=client_headers())
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
@@ -140,7 +147,7 @@ def model_of(url: str) -> str:
 def spec_counters(root: str) -> dict[str, float] | None:
     """The server's speculative-decoding counters (summed over labels), or None if it exports none."""
     try:
-        response = httpx.get(root + "/metrics", timeout=10)
+        response = httpx.get(root + "/metrics", timeout=10, headers=client_headers())
         if response.status_code != 200:
             return None
         families = list(text_string_to_metric_families(response.text))

@@ -8,9 +8,12 @@ goes away is cancelled, so its batch slot is freed before the scheduler's next s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,10 +21,13 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from verispec.grammar import SchemaError
+from verispec.serving.guard import RequestFrame, ServerSettings, request_id_of
 from verispec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from verispec.serving.tools import CALL_OPEN, parse_tool_calls, template_messages, tool_tokens
 from verispec.serving.protocol import (
@@ -109,24 +115,51 @@ CHAT = _Shape(
 )
 
 
-def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, metrics: ServerMetrics) -> FastAPI:
-    """An app serving `scheduler` (started and stopped by the caller) as model `model_name`."""
-    app = FastAPI(title="verispec", summary="OpenAI-compatible lossless speculative decoding")
+PREPARING_THREADS = 2  # tokenizing, chat templating and grammar compilation run here, off the event loop
+PREPARING_NICENESS = 10  # below the model thread's priority: a 1 MB prompt's tokenizing must not slow the streams
+
+
+def _lower_priority() -> None:
+    """Lower this thread's scheduling priority (Linux: threads have their own niceness); elsewhere nothing."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARING_NICENESS)
+
+
+def create_app(scheduler: Scheduler, metrics: ServerMetrics, settings: ServerSettings) -> FastAPI:
+    """An app serving `scheduler` (started and stopped by the caller) as `settings.model_name`."""
+    preparing = concurrent.futures.ThreadPoolExecutor(
+        PREPARING_THREADS, thread_name_prefix="verispec-prepare", initializer=_lower_priority
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        preparing.shutdown(wait=False, cancel_futures=True)
+
+    docs = settings.docs
+    app = FastAPI(
+        title="verispec", summary="OpenAI-compatible lossless speculative decoding", lifespan=lifespan,
+        docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+    )
+    model_name = settings.model_name
     created = int(time.time())
     target = scheduler.target
     call_tokens = tool_tokens(target.tokenizer)  # once: reading the vocabulary takes ~0.1 s for Qwen's
 
-    def error_response(error: APIError) -> JSONResponse:
+    def error_response(error: APIError, request: Request) -> JSONResponse:
         metrics.error(error.type, error.code)
+        request_id = request_id_of(request.scope)
+        if error.status >= 500 and request_id not in error.message:  # the id the server log files details under
+            error.message = f"{error.message} (request id {request_id})"
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
+        return error_response(error, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(error.errors())))
+        return error_response(validation_error(list(error.errors())), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -136,13 +169,17 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
         else:
             message, code = str(error.detail), None
-        return error_response(APIError(error.status_code, message, code=code, headers=error.headers))
+        return error_response(APIError(error.status_code, message, code=code, headers=error.headers), request)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error"))
-
-    app.add_middleware(_CountRequests, metrics=metrics)
+    # The last added is the outermost: RequestFrame sees every request first (ids, keys, one error shape).
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-request-id"], expose_headers=["x-request-id"],
+        )
+    if settings.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts))
+    app.add_middleware(RequestFrame, settings=settings, metrics=metrics)
 
     # -- endpoints ----------------------------------------------------------------------------------
 
@@ -175,37 +212,43 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = validate(CompletionRequest, await read_json(request, max_request_bytes))
+        body = validate(CompletionRequest, await read_json(request, settings))
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = target.encode(body.prompt)
-        else:
-            prompt_ids = body.prompt
+
+        def prompt_ids() -> list[int]:  # off the event loop
+            if isinstance(body.prompt, str):
+                return target.encode(body.prompt)
             vocab = target.model.vocab_size
-            if max(prompt_ids) >= vocab:
-                message = f"prompt: token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})"
+            if max(body.prompt) >= vocab:
+                message = f"prompt: token id {max(body.prompt)} is outside the vocabulary (0..{vocab - 1})"
                 raise APIError(400, message, "prompt")
+            return body.prompt
+
         return await generate(request, body, prompt_ids, "prompt", COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = validate(ChatCompletionRequest, await read_json(request, max_request_bytes))
+        body = validate(ChatCompletionRequest, await read_json(request, settings))
         check_model(body.model)
         if not getattr(target.tokenizer, "chat_template", None):
             message = f"model {model_name!r} has no chat template; use /v1/completions with a raw prompt"
             raise APIError(400, message, "messages")
-        messages = template_messages([message.to_template() for message in body.messages])
         tools = body.functions_for_template()
         if tools and call_tokens is None:
             message = f"model {model_name!r} has no tool calling in its chat template (no {CALL_OPEN} token)"
             raise APIError(400, message, "tools")
-        try:
-            text = target.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as error:  # the template itself may refuse a conversation (e.g. roles out of order)
-            raise APIError(400, f"messages: the chat template rejected them: {error}", "messages") from None
-        return await generate(request, body, target.encode(text), "messages", CHAT)
+
+        def prompt_ids() -> list[int]:  # off the event loop
+            messages = template_messages([message.to_template() for message in body.messages])
+            try:
+                text = target.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as error:  # the template itself may refuse a conversation (e.g. roles out of order)
+                raise APIError(400, f"messages: the chat template rejected them: {error}", "messages") from None
+            return target.encode(text)
+
+        return await generate(request, body, prompt_ids, "messages", CHAT)
 
     # -- shared machinery ---------------------------------------------------------------------------
 
@@ -215,12 +258,37 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(404, message, "model", "model_not_found")
 
     async def generate(
-        request: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], prompt_param: str,
-        shape: _Shape,
+        request: Request, body: CompletionRequest | ChatCompletionRequest, make_prompt_ids: Callable[[], list[int]],
+        prompt_param: str, shape: _Shape,
     ) -> Response:
         if not scheduler.healthy:
             message = "the decoding loop is not running; see /health"
             raise APIError(503, message, code="unavailable", type="server_error")
+        loop = asyncio.get_running_loop()
+        arrived = time.perf_counter()
+        deadline = None if settings.request_timeout is None else arrived + settings.request_timeout
+        request_id = request_id_of(request.scope)
+        handles, max_tokens = await loop.run_in_executor(
+            preparing, submit, body, make_prompt_ids, prompt_param, loop, request_id, deadline
+        )
+        request.state.generation = {"model": model_name, "drafter": scheduler.drafter}
+        response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        header = {"id": response_id, "created": int(time.time()), "model": model_name}
+        calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
+        if body.stream:
+            chunks = sse_chunks(request, handles, header, shape, body.include_usage, calls_tools)
+            return StreamingResponse(
+                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+        logprobs = body.requested_logprobs() is not None
+        return await whole_response(request, handles, header, shape, logprobs, calls_tools)
+
+    def submit(
+        body: CompletionRequest | ChatCompletionRequest, make_prompt_ids: Callable[[], list[int]], prompt_param: str,
+        loop: asyncio.AbstractEventLoop, request_id: str, deadline: float | None,
+    ) -> tuple[list[RequestHandle], int]:
+        """Tokenize (and template), check and queue the request: in a worker thread, as grammars compile here."""
+        prompt_ids = make_prompt_ids()
         if not prompt_ids:
             raise APIError(400, f"{prompt_param}: the prompt is empty after tokenization", prompt_param)
         context = scheduler.limits.max_context
@@ -236,7 +304,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
             raise APIError(400, message, "logit_bias")
         try:
             configs = body.generation_configs(max_tokens)
-            handles = scheduler.submit_choices(prompt_ids, configs)
+            handles = scheduler.submit_choices(prompt_ids, configs, request_id, loop, deadline)
         except QueueFullError as error:
             raise APIError(
                 429, str(error), code="rate_limit_exceeded", type="rate_limit_error", headers={"Retry-After": "1"}
@@ -246,18 +314,37 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         except ValueError as error:  # a setting the request named, when the message starts with its name
             named = str(error).split(" ", 1)[0]
             raise APIError(400, str(error), named if named in type(body).model_fields else None) from None
-        response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        header = {"id": response_id, "created": int(time.time()), "model": model_name}
-        calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
-        if body.stream:
-            chunks = sse_chunks(request, handles, header, shape, body.include_usage, calls_tools)
-            return StreamingResponse(
-                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            )
-        return await whole_response(request, handles, header, shape, configs[0].logprobs is not None, calls_tools)
+        return handles, max_tokens
 
     def token_text(token_id: int) -> str:
         return target.decode([token_id])
+
+    def note_generation(request: Request, finals: list[SequenceEvent | None]) -> None:
+        """The access log's figures of this request's generation (its choices together)."""
+        done = [event for event in finals if event is not None]
+        if not done:
+            return
+        stats = [event.stats for event in done]
+        completion = sum(s.completion_tokens for s in stats)
+        drafted, accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+        forwards = sum(s.target_forwards for s in stats)
+        first = min((s.time_to_first_token for s in stats if s.time_to_first_token is not None), default=None)
+        seconds = max(s.total_seconds for s in stats)
+        request.state.generation.update(
+            prompt_tokens=stats[0].prompt_tokens, completion_tokens=completion,
+            ttft_s=None if first is None else round(first, 4),
+            tokens_per_s=round(completion / seconds, 2) if seconds > 0 else None,
+            acceptance=round(accepted / drafted, 3) if drafted else None,
+            tokens_per_forward=round(completion / forwards, 2) if forwards else None,
+            finish_reason=",".join(str(event.finish_reason) for event in done),
+        )
+
+    @contextlib.asynccontextmanager
+    async def note_when_done(request: Request, finals: list[SequenceEvent | None]) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            note_generation(request, finals)
 
     async def whole_response(
         request: Request, handles: list[RequestHandle], header: dict, shape: _Shape, logprobs: bool,
@@ -267,14 +354,17 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         token_ids: list[list[int]] = [[] for _ in handles]
         entries: list[list[TokenLogprob]] = [[] for _ in handles]
         finals: list[SequenceEvent | None] = [None] * len(handles)
-        async with cancel_on_disconnect(request, handles):
-            async for index, event in merged_events(handles):
-                parts[index].append(event.text)
-                token_ids[index].extend(event.token_ids)
-                entries[index].extend(event.logprobs or [])
-                finals[index] = event
-                if event.finish_reason not in (None, "stop", "length"):
-                    raise unfinished(event)  # leaving the block cancels the other choices
+        try:
+            async with cancel_on_disconnect(request, handles):
+                async for index, event in merged_events(handles):
+                    parts[index].append(event.text)
+                    token_ids[index].extend(event.token_ids)
+                    entries[index].extend(event.logprobs or [])
+                    finals[index] = event
+                    if event.finish_reason not in (None, "stop", "length"):
+                        raise unfinished(event)  # leaving the block cancels the other choices
+        finally:
+            note_generation(request, finals)
         choices = [
             shape.choice(index, "".join(parts[index]), final.finish_reason,
                          shape.logprobs(entries[index], token_text, 0) if logprobs else None)
@@ -310,7 +400,7 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
         calling: list[bool | None] = [None if calls_tools else False] * len(handles)
         held: list[list[int]] = [[] for _ in handles]
         sent: list[list[dict]] = [[] for _ in handles]
-        async with cancel_on_disconnect(request, handles):
+        async with note_when_done(request, finals), cancel_on_disconnect(request, handles):
             if shape.opening_delta is not None:
                 for index in range(len(handles)):
                     yield chunk([shape.opening_delta(index)])
@@ -349,48 +439,32 @@ def create_app(scheduler: Scheduler, model_name: str, max_request_bytes: int, me
     return app
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
+async def read_json(request: Request, settings: ServerSettings) -> dict:
+    """The body as a JSON object: application/json only (415: a browser's form post from another site is not),
+    at most max_request_bytes (413, before reading them all), within body_timeout seconds (408)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type and content_type != "application/json" and not content_type.endswith("+json"):
-        message = f"Content-Type must be application/json, got {content_type!r}"
+    if content_type != "application/json" and not content_type.endswith("+json"):
+        message = f"Content-Type must be application/json, got {content_type or 'none'!r}"
         raise APIError(415, message, code="unsupported_media_type")
-    too_large = APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
+    limit = settings.max_request_bytes
+    close = {"Connection": "close"}  # the rest of the body is not read: the connection cannot carry another request
+    too_large = APIError(
+        413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large", headers=close
+    )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise too_large
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        message = f"the request body did not arrive within {settings.body_timeout:g} s (--body-timeout)"
+        raise APIError(408, message, code="request_timeout", headers=close) from None
     return parse_json_object(bytes(body))
-
-
-class _CountRequests:
-    """ASGI middleware counting requests by route and status (pure ASGI, so streams pass untouched)."""
-
-    def __init__(self, app, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500  # unless a response starts
-
-        async def send_and_record(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        finally:
-            route = scope.get("route")  # set by the router on the shared scope when a route matched
-            self.metrics.http_request(getattr(route, "path", "unmatched"), status)
 
 
 async def merged_events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, SequenceEvent]]:

@@ -62,7 +62,16 @@ class ReplicaSettings(BaseModel):
     prefix_cache_mb: int = Field(512, ge=0)
     chunked_prefill: bool | None = None  # None: on where the target is batch-invariant (see build_scheduler)
     max_request_bytes: int = Field(1 << 20, ge=1)
-    served_model_name: str | None = None  # the model id clients send (default: target)
+    served_model_name: str | None = None  # the model id clients send (default: the target's catalog or file name)
+    api_keys: list[str] = []  # every /v1 request needs `Authorization: Bearer <one of them>` (empty: open)
+    metrics_need_key: bool = False
+    body_timeout: float = Field(30.0, gt=0)  # seconds a request body gets to arrive (the proxy's read)
+    request_timeout: float | None = Field(600.0, gt=0)  # a request still generating then ends with finish_reason length
+    keep_alive_timeout: float = Field(5.0, gt=0)  # the proxy's idle keep-alive connections
+    allowed_origins: list[str] = []
+    allowed_hosts: list[str] = []
+    docs: bool = False
+    access_log: str = "text"  # each replica's access log: text, json or off
     threads: int = Field(1, ge=1)  # torch threads per replica; also the replica's Ray num_cpus
     replicas: int = Field(1, ge=1)  # fixed replica count, unless min/max replicas ask for autoscaling
     min_replicas: int | None = Field(None, ge=0)  # autoscaling: at least this many
@@ -89,6 +98,19 @@ class ReplicaSettings(BaseModel):
             "min_replicas": low, "max_replicas": high, "initial_replicas": min(max(self.replicas, low), high),
             "target_ongoing_requests": self.target_ongoing_requests,
         }
+
+    def server_settings(self):
+        """How each replica's app faces its clients (verispec.serving.guard.ServerSettings)."""
+        from verispec.cli import served_model_name
+        from verispec.serving.guard import ServerSettings
+
+        return ServerSettings(
+            model_name=self.served_model_name or served_model_name(self.target),
+            max_request_bytes=self.max_request_bytes, api_keys=tuple(self.api_keys),
+            metrics_need_key=self.metrics_need_key, body_timeout=self.body_timeout,
+            request_timeout=self.request_timeout, allowed_origins=tuple(self.allowed_origins),
+            allowed_hosts=tuple(self.allowed_hosts), docs=self.docs, access_log=self.access_log,
+        )
 
     @property
     def drafter_name(self) -> str:
@@ -340,9 +362,11 @@ class VerispecReplica:
 
     def __serve_build_asgi_app__(self):
         from verispec.serving.app import create_app
+        from verispec.serving.http import configure_server_logging
 
         s = self.settings
-        app = create_app(self.scheduler, s.served_model_name or s.target, s.max_request_bytes, self.metrics)
+        configure_server_logging()
+        app = create_app(self.scheduler, self.metrics, s.server_settings())
 
         @app.get("/replica")
         async def replica() -> dict:
@@ -420,7 +444,7 @@ def run_replicas(
             ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
         for sig in previous:  # again: ray.init installed Ray's own SIGTERM handler, which skips the cleanup below
             signal.signal(sig, lambda *_: stop.set())
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": settings.keep_alive_timeout})
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
         if ready is not None:
             ready(f"http://{host}:{port}/v1")

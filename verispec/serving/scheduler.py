@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -145,6 +146,7 @@ class _Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
+    deadline: float | None = None  # time.perf_counter(): then it ends as if max_new_tokens were reached
     prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
     # Per-sequence k: by drafter source, how often each draft position was reached and accepted.
     position_hits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
@@ -284,12 +286,18 @@ class Scheduler:
         """
         return self.submit_choices(prompt_ids, [config])[0]
 
-    def submit_choices(self, prompt_ids: list[int], configs: list[GenerationConfig]) -> list[RequestHandle]:
+    def submit_choices(
+        self, prompt_ids: list[int], configs: list[GenerationConfig], request_id: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None, deadline: float | None = None,
+    ) -> list[RequestHandle]:
         """Queue n sequences of one prompt (OpenAI's n), all or none; one handle each, in order.
 
         The prompt is prefilled once: the other choices copy its keys and values (target and draft) when
         they get a row, while the first one still decodes (else the prefix cache, else a prefill).
         Errors as for submit; a request with more choices than max_batch_size is a ValueError.
+        request_id names the request in the log (else one is made); loop: the event loop its events go to
+        (default: the running one, if any); deadline (time.perf_counter()): a sequence still queued or decoding
+        then ends as if it had reached its max_new_tokens (finish_reason "length").
         """
         if len(configs) > self.limits.max_batch_size:
             raise ValueError(f"{len(configs)} choices exceed the batch of {self.limits.max_batch_size} sequences")
@@ -297,7 +305,14 @@ class Scheduler:
             raise RuntimeError("the scheduler is not running")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
-        sequences = [self._new_sequence(prompt_ids, config) for config in configs]
+        if loop is None and not self.synchronous:
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+        sequences = [self._new_sequence(prompt_ids, config, loop) for config in configs]
+        for index, choice in enumerate(sequences):
+            choice.deadline = deadline
+            if request_id is not None:
+                choice.handle.request_id = request_id if len(sequences) == 1 else f"{request_id}/{index}"
         for choice in sequences[1:]:
             choice.prompt_source = sequences[0]
         with self._lock:
@@ -309,17 +324,15 @@ class Scheduler:
         self._wakeup.set()
         return [sequence.handle for sequence in sequences]
 
-    def _new_sequence(self, prompt_ids: list[int], config: GenerationConfig) -> _Sequence:
+    def _new_sequence(
+        self, prompt_ids: list[int], config: GenerationConfig, loop: asyncio.AbstractEventLoop | None = None
+    ) -> _Sequence:
         total = len(prompt_ids) + config.max_new_tokens
         if total > self.limits.max_context:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({config.max_new_tokens}) = {total} exceeds the "
                 f"server's context of {self.limits.max_context} tokens; shorten the prompt or lower max_tokens"
             )
-        try:
-            loop = None if self.synchronous else asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.target.eos_token_ids
         grammar = constraint_for(self.target, config.json_schema, config.lark_grammar, eos)
         return _Sequence(
@@ -362,10 +375,27 @@ class Scheduler:
         if self._prefilling is not None and self._prefilling.handle.cancelled.is_set():
             self._finish(self._prefilling, "cancelled")
             self._prefilling = None
+        self._end_overdue(time.perf_counter())
         self._admit()
         if self.active:
             self._step()
         return bool(self.active) or self._prefilling is not None or self.num_waiting > 0
+
+    def _end_overdue(self, now: float) -> None:
+        """Sequences past their deadline end as if max_new_tokens were reached, with what they generated."""
+        def overdue(sequence: _Sequence) -> bool:
+            return sequence.deadline is not None and now >= sequence.deadline
+
+        self._retire([s for s in self.active if overdue(s)], "length")
+        if self._prefilling is not None and overdue(self._prefilling):
+            self._finish(self._prefilling, "length")
+            self._prefilling = None
+        with self._lock:
+            ended = [s for s in self._waiting if overdue(s)]
+            if ended:
+                self._waiting = collections.deque(s for s in self._waiting if not overdue(s))
+        for sequence in ended:
+            self._finish(sequence, "length")
 
     def _fail_all(self, message: str) -> None:
         self._fail_active(message)
@@ -886,7 +916,8 @@ class Scheduler:
         """End a sequence that has not sent its final event yet (cancelled, or "error" with a message)."""
         stats = sequence.stats
         stats.total_seconds = time.perf_counter() - sequence.submitted
-        sequence.handle._put(SequenceEvent("", [], reason, stats.snapshot(), error, exception=exception))
+        rest = sequence.text.release(final=True) if reason == "length" else ""  # a deadline: the text held back
+        sequence.handle._put(SequenceEvent(rest, [], reason, stats.snapshot(), error, exception=exception))
         if self.metrics is not None:
             self.metrics.request_finished(reason, stats.prompt_tokens, stats.completion_tokens)
 
