@@ -21,9 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from servers import running_server
-from verispec.cli import served_model_name
 from verispec.serving.app import create_app
-from verispec.serving.guard import ServerSettings
+from verispec.serving.guard import ServerSettings, served_model_name
 from verispec.serving.metrics import ServerMetrics
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 

@@ -13,7 +13,7 @@ import torch
 from verispec.drafters import DRAFTERS, drafter_for
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
-from verispec.serving.guard import ACCESS_LOG_FORMATS
+from verispec.serving.guard import ACCESS_LOG_FORMATS, served_model_name
 
 EXIT_USAGE = 2
 
@@ -373,14 +373,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def served_model_name(target: str) -> str:
-    """The model id a server answers to by default: a catalog name as it is, a file's or directory's own name."""
-    path = Path(target)
-    if path.suffix == ".gguf":
-        return path.stem
-    return path.resolve().name if path.exists() else target
-
-
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     import os
 
@@ -438,7 +430,7 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     _listen(args.host, args.port).close()  # a taken port fails now, not after Ray started
 
     def ready(url: str) -> None:
-        print(f"verispec: serving {settings.served_model_name or settings.target!r} on Ray Serve, {scaling} x "
+        print(f"verispec: serving {settings.server_settings().model_name!r} on Ray Serve, {scaling} x "
               f"{threads} threads (drafter {settings.drafter_name}) on {url}", file=sys.stderr, flush=True)
 
     if args.ray_metrics_port is not None and args.ray_address is not None:

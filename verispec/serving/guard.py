@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
@@ -77,6 +78,14 @@ class ServerSettings:
             return False
         given = token.strip().encode()
         return any([hmac.compare_digest(given, key.encode()) for key in self.api_keys])
+
+
+def served_model_name(target: str) -> str:
+    """The model id a server answers to by default: a catalog name as it is, a file's or directory's own name."""
+    path = Path(target)
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.resolve().name if path.exists() else target
 
 
 def request_id_of(scope) -> str:

@@ -101,8 +101,7 @@ class ReplicaSettings(BaseModel):
 
     def server_settings(self):
         """How each replica's app faces its clients (verispec.serving.guard.ServerSettings)."""
-        from verispec.cli import served_model_name
-        from verispec.serving.guard import ServerSettings
+        from verispec.serving.guard import ServerSettings, served_model_name
 
         return ServerSettings(
             model_name=self.served_model_name or served_model_name(self.target),
