@@ -66,8 +66,8 @@ def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", laye
     return directory
 
 
-# `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadgroup with
-# a group per file, below), so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster)
+# `make test` runs two pytest-xdist workers on these 2-core machines, a test file to a worker (--dist loadfile, with
+# the scheduler below), so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster)
 # are built once. The tiny models' steps are Python-bound:
 # one torch thread each runs them faster than two (no OpenMP hand-offs), and two workers use both cores.
 # Tests of the packaged models ask for a core each themselves (real_threads, their fixtures): two workers of two

@@ -357,3 +357,15 @@ def test_bad_server_settings_are_refused_by_name():
         ServerSettings("m", access_log="xml")
     with pytest.raises(ValueError, match="API key"):
         ServerSettings("m", api_keys=(" spaced ",))
+
+
+def test_ray_replicas_take_the_same_settings(tiny_dir):
+    from verispec.serving.ray_serve import ReplicaSettings
+
+    replica = ReplicaSettings(target=str(tiny_dir), api_keys=[KEY], request_timeout=30, access_log="json",
+                              allowed_hosts=["api.example.com"])
+    settings = replica.server_settings()
+    assert settings.api_keys == (KEY,) and settings.request_timeout == 30 and settings.access_log == "json"
+    assert settings.model_name == tiny_dir.name and settings.allowed_hosts == ("api.example.com",)
+    with pytest.raises(ValueError, match="access-log"):
+        ReplicaSettings(access_log="xml").server_settings()
