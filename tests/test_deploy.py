@@ -212,6 +212,24 @@ def test_a_client_leaving_while_its_body_is_read_is_no_error(guarded):
     assert 'status="499"' in metrics
 
 
+def test_a_client_giving_up_on_a_whole_response_is_no_error(guarded):
+    """The request is cancelled and counted as 499 (client closed request), not as the server's 503."""
+    url, log_path = guarded
+    body = {"model": model_id(url), "prompt": "def add(a, b):", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json=body, headers=authorized() | {"x-request-id": "gives-up"}, timeout=0.2)
+    deadline = time.monotonic() + 10
+    while '"gives-up"' not in log_path.read_text():
+        assert time.monotonic() < deadline, "the abandoned request never reached the access log"
+        time.sleep(0.05)
+    line = next(json.loads(x) for x in log_path.read_text().splitlines() if '"gives-up"' in x)
+    assert line["status"] == 499 and line["finish_reason"] == "cancelled"
+    assert 'code="cancelled"' not in httpx.get(f"{url}/metrics").text
+    while httpx.get(f"{url}/health").json()["active"]:  # its sequence is freed at the scheduler's next step
+        assert time.monotonic() < deadline + 5, "the abandoned request's sequence was never freed"
+        time.sleep(0.05)
+
+
 # -- request ids and the access log ---------------------------------------------------------------------
 
 

@@ -153,7 +153,11 @@ async def soak(port: int, model: str, clients: int, seconds: float, seed: int) -
 
     async def worker(index: int) -> None:
         rng = random.Random(seed + index)
-        async with httpx.AsyncClient(timeout=120) as http:
+        # A pooled connection is dropped by the client before the server's keep-alive timeout (5 s) would close it:
+        # with both at 5 s a request sent on a connection the server closes at that instant fails (ReadError), a
+        # race of every keep-alive client, which a reverse proxy avoids the same way (README: Deploying).
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             while time.monotonic() < end:
                 try:
                     await action(http, port, model, rng, counts, failures)

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from verispec.grammar import SchemaError
@@ -362,6 +363,8 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, settings: ServerSet
                     entries[index].extend(event.logprobs or [])
                     finals[index] = event
                     if event.finish_reason not in (None, "stop", "length"):
+                        if client_left(request, event):
+                            raise ClientDisconnect()  # counted as 499, answered to no one
                         raise unfinished(event)  # leaving the block cancels the other choices
         finally:
             note_generation(request, finals)
@@ -406,6 +409,8 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, settings: ServerSet
                     yield chunk([shape.opening_delta(index)])
             async for index, event in merged_events(handles):
                 if event.finish_reason not in (None, "stop", "length"):
+                    if client_left(request, event):
+                        break  # no one to tell, and not an error
                     error = unfinished(event)
                     metrics.error(error.type, error.code)
                     yield f"data: {json_dumps(error.body())}\n\n"
@@ -506,6 +511,7 @@ async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        request.state.client_left = True
         for handle in handles:
             handle.cancel()
 
@@ -516,6 +522,11 @@ async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -
         watcher.cancel()
         for handle in handles:
             handle.cancel()
+
+
+def client_left(request: Request, event: SequenceEvent) -> bool:
+    """Whether the request was cancelled because its client went away (cancel_on_disconnect)."""
+    return event.finish_reason == "cancelled" and getattr(request.state, "client_left", False)
 
 
 def unfinished(event: SequenceEvent) -> APIError:
