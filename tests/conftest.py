@@ -70,10 +70,41 @@ def build_tiny_model(directory: Path, seed: int, model_type: str = "qwen2", laye
 # the scheduler below), so a module's expensive fixtures (a loaded real model, a server process, a Ray cluster)
 # are built once. The tiny models' steps are Python-bound:
 # one torch thread each runs them faster than two (no OpenMP hand-offs), and two workers use both cores.
-# Tests of the packaged models ask for a core each themselves (real_threads, their fixtures): two workers of two
-# threads each on two cores run a real model 5-10x slower (OpenMP threads wait for a descheduled peer).
+# Tests of the packaged models take the cores no other worker is using (real_thread_count): two workers of two
+# threads each on two cores run a real model 5-10x slower (OpenMP threads wait for a descheduled peer), and one
+# thread where the other worker has finished leaves a core idle for the suite's longest stretch.
 torch.set_num_threads(1)
-REAL_THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+FINISHED_WORKERS = "VERISPEC_TEST_FINISHED_WORKERS"  # a folder where each xdist worker leaves a file when it is done
+
+
+def real_thread_count() -> int:
+    """Torch threads for a packaged-model test now: the cores shared among the xdist workers still running."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    folder = os.environ.get(FINISHED_WORKERS)
+    finished = len(os.listdir(folder)) if folder and os.path.isdir(folder) else 0
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers - finished))
+
+
+def pytest_configure(config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ and FINISHED_WORKERS not in os.environ:  # the controller, before
+        import tempfile                                                               # its workers start
+
+        os.environ[FINISHED_WORKERS] = config.verispec_finished_workers = tempfile.mkdtemp(prefix="verispec-workers-")
+
+
+def pytest_sessionfinish(session) -> None:
+    worker, folder = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(FINISHED_WORKERS)
+    if worker and folder and os.path.isdir(folder):
+        Path(folder, worker).touch()
+
+
+def pytest_unconfigure(config) -> None:
+    folder = getattr(config, "verispec_finished_workers", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(FINISHED_WORKERS, None)
 
 # Tests of the packaged models all run on one worker, one module after another: two workers that each held a float32
 # pair (8 GB) or the default pair beside other loads went past 24 GB, the OOM killer ended one, and xdist then hung.
@@ -97,12 +128,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, with every test of the packaged models in one group (scheduling_group)."""
+    """--dist loadfile, with every test of the packaged models in one group (scheduling_group), handed out first:
+    it is the longest, so it runs beside every other file instead of alone after them."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RealModelsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scheduling_group(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if "real-models" in self.workqueue:
+                self.workqueue.move_to_end("real-models", last=False)
+            super()._assign_work_unit(node)
 
     return RealModelsTogether(config, log)
 
@@ -144,16 +181,24 @@ def default_pair():
     from verispec import load_draft_model
     from verispec.models.loading import load_model
 
-    target = load_model(REAL_TARGET, "bfloat16", quantize="auto")
-    return target, load_draft_model(REAL_DRAFT, target)
-
-
-@pytest.fixture
-def real_threads():
-    """The cores this worker has to itself, as torch threads (two alone, one each under two workers), for a test of
-    the packaged models; the previous count after it."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(REAL_THREADS)
+    torch.set_num_threads(real_thread_count())  # auto times the formats: on the cores this worker has
+    try:
+        target = load_model(REAL_TARGET, "bfloat16", quantize="auto")
+        return target, load_draft_model(REAL_DRAFT, target)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def real_threads(request):
+    """A packaged-model test runs on the cores no other worker uses (real_thread_count), as torch threads; the
+    previous count after it. (Their module fixtures load models the same way.)"""
+    if scheduling_group(request.node.nodeid) != "real-models":
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(real_thread_count())
     yield
     torch.set_num_threads(previous)
 

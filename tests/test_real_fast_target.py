@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST_FORMATS, REAL_THREADS
+from conftest import FAST_FORMATS, real_thread_count
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.bench.workloads import chat, humaneval
 from verispec.models.loading import resolve_format
@@ -29,7 +29,7 @@ NEW_TOKENS = 128
 def fast_pair(request, default_pair):
     """The default target (auto: w4a8 or w8a8, measured), and the fast format auto did not pick, where both run."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(REAL_THREADS)
+    torch.set_num_threads(real_thread_count())
     target, drafter = default_pair
     if request.param != "auto" or not target.model.batch_invariant:
         # the other format; or auto measured dense as faster here: test the fast format itself

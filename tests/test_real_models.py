@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REAL_THREADS
+from conftest import real_thread_count
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.bench.workloads import humaneval as humaneval_prompts
 
@@ -21,7 +21,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 @pytest.fixture(scope="module", autouse=True)
 def module_threads():
     previous = torch.get_num_threads()
-    torch.set_num_threads(REAL_THREADS)
+    torch.set_num_threads(real_thread_count())  # for loading; each test: real_threads
     yield
     torch.set_num_threads(previous)
 
