@@ -2,7 +2,7 @@
 
 Default settings, 20 HumanEval and 5 chat prompts, 128 new tokens each: speculative decoding
 (draft model, k chosen by the controller) equals plain decoding token for token, and the serving
-scheduler's batched verify passes equal single requests. Batch invariance is what makes this hold in
+scheduler's batched verify passes (12 of the prompts through 8 rows) equal single requests. Batch invariance is what makes this hold in
 bfloat16, where a dense target flips near-ties (see benchmarks/results/xeon/quantized/).
 """
 
@@ -75,12 +75,16 @@ def test_batched_serving_equals_single_requests(fast_pair, prompts, plain_output
     from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
     target, drafter = fast_pair
+    # 8 code and 4 chat prompts through 8 rows: rows fill, leave as their texts end and take the waiting prompts in
+    # (the 25 prompts of the test above took 9 minutes more on one thread of an AVX2 Zen 1, for no other path)
+    chosen = [*range(8), *range(20, 24)]
     scheduler = Scheduler(target, drafter.model, "draft-model", k="auto", limits=SchedulerLimits(8, 32, 2048))
-    handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    handles = [scheduler.submit(target.encode(prompts[i]), GenerationConfig(max_new_tokens=NEW_TOKENS)) for i in chosen]
     scheduler.start()
     try:
         events = [list(h.iter_events()) for h in handles]
     finally:
         scheduler.stop()
-    for index, (prompt_events, want) in enumerate(zip(events, plain_outputs)):
+    for index, prompt_events in zip(chosen, events):
+        want = plain_outputs[index]
         assert [t for e in prompt_events for t in e.token_ids] == want, f"prompt {index} differs when batched"

@@ -58,12 +58,14 @@ def raw(port: int, payload: bytes, timeout: float = 60) -> bytes:
 
 
 async def action(http: httpx.AsyncClient, port: int, model: str, rng: random.Random, counts: Counter,
-                 failures: list[str]) -> None:
+                 failures: list[str], attempt: list[str]) -> None:
+    """One random request; attempt[0] names it (for a client exception's report)."""
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     roll = rng.random()
     prompt = rng.choice(["def fib(n):", "class Stack:", "import json\n\ndef load(path):", "# sort a list\n"])
     if roll < 0.45:  # valid
+        attempt[0] = "valid"
         if rng.random() < 0.5:
             body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(8, 48), "temperature": 0}
             response = await http.post(f"{url}/v1/completions", json=body, headers=auth)
@@ -91,6 +93,7 @@ async def action(http: httpx.AsyncClient, port: int, model: str, rng: random.Ran
     if roll < 0.85:  # invalid
         kind = rng.choice(["wrong key", "no key", "bad json", "no content-type", "unknown model", "bad temperature",
                            "oversized", "malformed http", "short body"])
+        attempt[0] = f"invalid: {kind}"
         if kind in ("malformed http", "short body"):
             head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                     "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{").encode()
@@ -131,6 +134,7 @@ async def action(http: httpx.AsyncClient, port: int, model: str, rng: random.Ran
             failures.append(f"{kind}: got {status} (json: {is_json}), expected {expected}")
         return
     counts["cancelled sent"] += 1  # cancelled
+    attempt[0] = "cancelled"
     body = {"model": model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True}
     if rng.random() < 0.5:
         async with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=auth) as response:
@@ -159,11 +163,12 @@ async def soak(port: int, model: str, clients: int, seconds: float, seed: int) -
         limits = httpx.Limits(keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             while time.monotonic() < end:
+                attempt = ["?"]
                 try:
-                    await action(http, port, model, rng, counts, failures)
+                    await action(http, port, model, rng, counts, failures, attempt)
                 except Exception as error:  # noqa: BLE001 - counted, the soak goes on
                     counts["client exceptions"] += 1
-                    failures.append(f"{type(error).__name__}: {error}")
+                    failures.append(f"{attempt[0]}: {type(error).__name__}: {error!r}")
 
     await asyncio.gather(*(worker(i) for i in range(clients)))
     return counts, failures

@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -49,14 +50,42 @@ def raw_error(error: APIError) -> bytes:
     return head.encode("ascii") + body
 
 
+# A connection closed while its request's body is still coming (refused from its Content-Length, or not in time)
+# is first half-closed and drained, as nginx's lingering close does: closed at once with unread data, the kernel
+# resets it, and a client still uploading loses the answer. Drained until the client's FIN, a pause of
+# LINGER_IDLE, LINGER_SECONDS in all or LINGER_BYTES.
+LINGER_IDLE = 1.0
+LINGER_SECONDS = 5.0
+LINGER_BYTES = 64 << 20
+
+
+class _LingeringClose:
+    """The transport as the protocol and its request cycles see it: close() lingers (GuardedH11Protocol._linger)."""
+
+    def __init__(self, transport: asyncio.Transport, linger) -> None:
+        self._transport = transport
+        self._linger = linger
+
+    def close(self) -> None:
+        self._linger()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
-    """H11Protocol with a header deadline, a connection cap and JSON errors (limits: set on a subclass)."""
+    """H11Protocol with a header deadline, a connection cap, JSON errors and a lingering close (limits: set on a
+    subclass)."""
 
     limits: TransportLimits = TransportLimits()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._raw_transport = transport
+        self._lingering: asyncio.TimerHandle | None = None
+        self._drained = 0
+        self.transport = _LingeringClose(transport, self._linger)
         if len(self.connections) > self.limits.max_connections:
             message = f"the server holds {self.limits.max_connections} connections already (--max-connections); retry later"
             log.warning("refused a connection from %s: %s", self.client, message)
@@ -65,6 +94,14 @@ class GuardedH11Protocol(H11Protocol):
         self._await_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # closing: what the client still sends is read and dropped
+            self._drained += len(data)
+            self._lingering.cancel()
+            if self._drained > LINGER_BYTES or self.loop.time() > self._linger_until:
+                self._raw_transport.close()
+            else:
+                self._lingering = self.loop.call_later(LINGER_IDLE, self._raw_transport.close)
+            return
         if self._header_deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._await_headers()  # a new request's first bytes on a kept-alive connection
         cycle = self.cycle
@@ -72,9 +109,32 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not cycle:  # its headers arrived: the app reads the body (with its own deadline)
             self._stop_awaiting_headers()
 
+    def eof_received(self) -> None:
+        if self._lingering is not None:  # the client has sent everything: close now
+            self._raw_transport.close()
+            return
+        super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_awaiting_headers()
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
+
+    def _linger(self) -> None:
+        """Close: at once unless a request's body is still coming; then half-close (our answer is flushed, then a
+        FIN) and drop what still arrives (data_received) until the client's FIN or a limit (LINGER_*)."""
+        transport = self._raw_transport
+        if transport.is_closing() or self._lingering is not None:
+            return
+        if self.conn.their_state is not h11.SEND_BODY or not transport.can_write_eof():
+            transport.close()
+            return
+        self._stop_awaiting_headers()
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger_until = self.loop.time() + LINGER_SECONDS
+        self._lingering = self.loop.call_later(LINGER_IDLE, transport.close)
 
     def send_400_response(self, msg: str) -> None:
         self._stop_awaiting_headers()
@@ -96,9 +156,9 @@ class GuardedH11Protocol(H11Protocol):
         self._answer_and_close(APIError(408, message, code="request_timeout"))
 
     def _answer_and_close(self, error: APIError) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(raw_error(error))
-            self.transport.close()
+        if not self._raw_transport.is_closing() and self._lingering is None:
+            self._raw_transport.write(raw_error(error))
+            self._raw_transport.close()
 
 
 def configure_server_logging(level: int = logging.INFO) -> None:
