@@ -4,7 +4,9 @@ Uvicorn times out idle keep-alive connections only: a client that opens a connec
 its headers (or never sends them) holds it forever, and malformed HTTP gets a plain-text 400. Here
 each connection gets `header_timeout` seconds to send a request's line and headers, a server holds
 at most `max_connections` connections, and every answer the transport gives itself (a malformed
-request, a header timeout, too many connections) is JSON in OpenAI's error shape, like the app's.
+request, a header timeout, too many connections) is JSON in OpenAI's error shape, like the app's. A
+connection closed while its request's body still comes lingers (half-closed, drained) so that a client
+still uploading gets its answer instead of a reset.
 """
 
 from __future__ import annotations
