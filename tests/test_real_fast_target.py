@@ -2,8 +2,9 @@
 
 Default settings, 20 HumanEval and 5 chat prompts, 128 new tokens each: speculative decoding
 (draft model, k chosen by the controller) equals plain decoding token for token, and the serving
-scheduler's batched verify passes (12 of the prompts through 8 rows) equal single requests. Batch invariance is what makes this hold in
-bfloat16, where a dense target flips near-ties (see benchmarks/results/xeon/quantized/).
+scheduler's batched verify passes (12 of the prompts through 8 rows) equal single requests. Batch
+invariance is what makes this hold in bfloat16, where a dense target flips near-ties (see
+benchmarks/results/xeon/quantized/).
 """
 
 from __future__ import annotations

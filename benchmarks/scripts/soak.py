@@ -157,9 +157,9 @@ async def soak(port: int, model: str, clients: int, seconds: float, seed: int) -
 
     async def worker(index: int) -> None:
         rng = random.Random(seed + index)
-        # A pooled connection is dropped by the client before the server's keep-alive timeout (5 s) would close it:
-        # with both at 5 s a request sent on a connection the server closes at that instant fails (ReadError), a
-        # race of every keep-alive client, which a reverse proxy avoids the same way (README: Deploying).
+        # A pooled connection is dropped by the client before the server's keep-alive timeout (5 s) would close it,
+        # as README: Deploying advises proxies (with equal timeouts a request can meet a closing connection). The
+        # soak's ReadErrors had another cause (a 413's connection reset, fixed in serving/http.py).
         limits = httpx.Limits(keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             while time.monotonic() < end:
