@@ -128,7 +128,8 @@ def test_k_follows_the_source_that_will_draft():
     assert controller.choose_k(source="suffix-index") >= 6
     assert 1 <= controller.choose_k(source="draft-model") <= 3
     assert controller.choose_k() == controller.choose_k(source="draft-model")  # None: the most recent source
-    assert controller.choose_k(source="never-seen") == controller.settings.first_k  # unmeasured: try it
+    # never drafted: tried, as if its drafts were free, at the k the measured forwards suggest
+    assert controller.choose_k(source="never-seen") >= controller.choose_k(source="draft-model")
 
 
 def test_a_source_drafting_for_few_rows_of_a_batch_pays_for_the_whole_width():
@@ -283,25 +284,53 @@ def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, pa
         tokens, stats = [t for e in events for t in e.token_ids], events[-1].stats
     assert tokens == plain
     assert stats.accepted_tokens == 0 and stats.target_forwards == new_tokens  # one token a forward, as plain
-    # Learning that the drafts fail (acceptance falls from its prior by 15% a step: ~20 steps), then k = 1 probes
-    # after probe_every plain steps, then twice as many, and so on (vain probes back off): 8 + 16 + 32 + 64 < 180.
+    # Learning that the drafts fail (acceptance falls from its prior by 15% a step; on this tiny model a verify pass
+    # costs about what a plain one does, so drafting pays until acceptance is near min_gain: ~20-25 steps), then
+    # k = 1 probes after probe_every plain steps, then twice as many, and so on (vain probes back off):
+    # 8 + 16 + 32 + 64 < 180.
     probes = 4
     drafting_steps = new_tokens - stats.k_histogram.get(0, 0)
-    assert 0 < drafting_steps <= 25 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
+    assert 0 < drafting_steps <= 30 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
     assert stats.k_histogram.get(1, 0) >= probes // 2, stats.k_histogram
 
 
-def test_whole_steps_measured_slower_than_plain_ones_make_it_plain():
-    """The cost model says k > 0 pays (cheap drafts, all accepted); whole steps that cost more than the model
-    knows (drafting steps slower per token than plain ones) make it plain, until they measure faster again."""
+def test_a_drafting_step_overhead_the_model_does_not_price_makes_it_plain():
+    """The cost model says k > 0 pays (cheap drafts, all accepted); whole drafting steps that take more than their
+    drafting and forward (a catch-up, sampling, Python) add that overhead to the cost: past the gain, plain wins,
+    until plain steps measure an overhead as large (then both pay it and drafting pays again)."""
     controller = AdaptiveController(ControllerSettings(k_max=4))
     run_steps(controller, 20, 1.0, 0.001, lambda n: 0.05 + 0.001 * n)
     assert controller.choose_k() > 0  # no whole step measured: the model decides
-    controller.observe_step("draft-model", 1, 3, 0.15)  # 50 ms a token drafting ...
-    assert controller.choose_k(source="draft-model") == 0  # ... and plain never measured here: one plain step first
-    controller.observe_step(None, 1, 1, 0.04)  # plain: 40 ms a token
+    for _ in range(30):  # 0.2 s beyond the ~0.06 s priced, every drafting step
+        controller.observe_step("draft-model", 1, 0.26, 0.06)
     assert controller.choose_k(source="draft-model") == 0
-    for _ in range(30):  # drafting steps measured faster now (say, after a probe that found a better state)
-        controller.observe_step("draft-model", 1, 3, 0.09)
+    for _ in range(30):
+        controller.observe_step(None, 1, 0.25, 0.05)
     assert controller.choose_k(source="draft-model") > 0
     assert controller.choose_k(batch_size=1, source="other") > 0  # another source's steps were not measured
+
+
+def test_an_unlucky_first_draft_does_not_keep_a_source_from_drafting():
+    """A first step of k = 4 whose drafts all failed took long for one token; its cost is what a 5-token forward
+    costs, not a verdict on the source, so once its drafts pass again (probes) it drafts: a whole step is judged
+    by its overhead, not its seconds per token (which kept prompt lookup from drafting on an AVX2 Zen 1)."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    controller.seed({1: 0.074, 2: 0.117, 4: 0.2, 8: 0.36}, {"prompt-lookup": 0.0})
+    controller.observe("prompt-lookup", 4, 0, 0.0, 5, 0.24)
+    controller.observe_step("prompt-lookup", 1, 0.241, 0.24)  # 241 ms for one token
+    controller.observe_step(None, 1, 0.075, 0.074)
+    for _ in range(6):  # probes that pass
+        controller.observe("prompt-lookup", 1, 1, 0.0, 2, 0.117)
+        controller.observe_step("prompt-lookup", 1, 0.118, 0.117)
+    assert controller.choose_k(source="prompt-lookup") > 0
+
+
+def test_seeded_costs_decide_the_first_step():
+    """With the forwards' costs measured before any step (AVX2 Zen 1: a 2-token pass costs 1.57x one, a draft-model
+    forward 0.42x), a draft model is not tried at all, not even as a probe: perfect drafts would only tie plain."""
+    controller = AdaptiveController(ControllerSettings(k_max=8))
+    controller.seed({1: 0.074, 2: 0.117, 4: 0.2, 8: 0.36}, {"draft-model": 0.031}, catch_up_per_token=0.012)
+    assert [controller.choose_k(source="draft-model") for _ in range(300)] == [0] * 300
+    cheap = AdaptiveController(ControllerSettings(k_max=8))  # the same pass on a target whose verify is flat
+    cheap.seed({1: 0.03, 2: 0.031, 4: 0.033, 8: 0.04}, {"draft-model": 0.004}, catch_up_per_token=0.001)
+    assert cheap.choose_k(source="draft-model") >= 2

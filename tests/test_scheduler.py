@@ -126,6 +126,8 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     scheduler._admit()
     assert all(scheduler.draft.behind(row, s.tokens) > LONG_TAIL for row, s in enumerate(scheduler.active))
     controller = scheduler.controller
+    assert controller.catch_up_per_token is not None  # timed before the first step (step_costs)
+    controller.catch_up_per_token = None
     assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [True, False, False, False]  # unmeasured: one row
     controller.observe_catch_up(5.0, 100)  # 50 ms a token
     averages = controller._source("draft-model")

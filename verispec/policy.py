@@ -26,10 +26,14 @@ out (it would not pay even if every draft were accepted), when a probe could lea
 The cost model leaves out what a step costs besides the draft and the verify pass (sampling, acceptance,
 a draft model's small catch-ups, Python), which differs between drafting and plain steps; on an AVX2-only
 CPU it predicted a 13% gain from k = 1 where whole steps measured none. So whole steps are measured too:
-seconds per committed token of steps in which one source drafted, and of plain steps, per batch size
-(observe_step). Where that source's steps measure slower than plain ones, plain decoding is chosen
-whatever the model says (probes keep the drafting figure current); where plain steps were never
-measured at a batch size, one is taken to anchor the comparison.
+the seconds each whole step took beyond what the model prices (its drafting and its forward), per source
+that drafted (None: plain) and batch size (observe_step); that overhead joins the step's cost. An overhead,
+not a rate: seconds per committed token would mix a step's luck (how many drafts passed) into its cost, and
+one unlucky first draft then kept a lookup that passes 86% of the time from ever drafting again.
+
+Costs measured before the first request (the whole forwards of both models, `seed`) let the first steps
+choose by them rather than try: on a machine where no draft can pay, the first request never pays for
+finding that out.
 
 A draft model far behind a sequence (its prompt, or plain steps it sat out) must first catch up on
 those tokens, once. That is not the cost of a draft position, so it is kept apart (catch_up_per_token)
@@ -73,6 +77,7 @@ class _Averages:
     alpha: list[float]  # (k_max,) acceptance by position, given reached
     draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
     reached: list[int] = field(default_factory=list)  # (k_max,) steps that reached each position
+    name: str | None = None  # the source these are of (its whole steps' overhead, see step_overhead)
 
     def acceptance(self) -> list[float]:
         """alpha, with each position that has hardly been reached taking the estimate of the one before.
@@ -99,14 +104,29 @@ class AdaptiveController:
     probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
     probe_backoff: int = 1  # probes come probe_every * batch size * this steps apart; doubled by each vain probe
     catch_up_per_token: float | None = None  # seconds a draft model takes per committed token it catches up on
-    # (source that drafted, or None for a plain step; batch size) -> seconds per committed token of a whole step
-    step_cost: dict[tuple[str | None, int], float] = field(default_factory=dict)
+    # (source that drafted, or None for a plain step; batch size) -> seconds a whole step took beyond its priced
+    # parts (drafting and the forward): see observe_step
+    step_overhead: dict[tuple[str | None, int], float] = field(default_factory=dict)
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
             k_max = self.settings.k_max
-            self.sources[name] = _Averages([self.settings.prior_acceptance] * k_max, reached=[0] * k_max)
+            self.sources[name] = _Averages([self.settings.prior_acceptance] * k_max, reached=[0] * k_max, name=name)
         return self.sources[name]
+
+    def seed(
+        self, verify_cost: dict[int, float], draft_cost: dict[str, float] | None = None,
+        catch_up_per_token: float | None = None,
+    ) -> None:
+        """Start from costs measured before any step: seconds of a target forward by tokens in it, of one draft
+        position by source (a batch of one), of a draft-model catch-up per token. What steps measure later
+        moves them as it moves any average."""
+        for tokens, seconds in verify_cost.items():
+            self.verify_cost.setdefault(tokens, seconds)
+        for source, seconds in (draft_cost or {}).items():
+            self._source(source).draft_cost.setdefault(1, seconds)
+        if self.catch_up_per_token is None:
+            self.catch_up_per_token = catch_up_per_token
 
     def _verify_seconds(self, tokens: int) -> float | None:
         """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
@@ -118,20 +138,24 @@ class AdaptiveController:
         """Expected tokens per second per sequence with k drafts, or None before the costs were measured.
 
         drafting_rows: how many of the batch's sequences draft (None: all). The verify pass is as wide
-        for every row (rows are padded to the longest draft), but only drafting rows gain tokens.
+        for every row (rows are padded to the longest draft), but only drafting rows gain tokens. A source
+        whose drafts were never timed is taken to draft for free where the forwards are known: optimistic,
+        so that it is tried, at the k the forwards' costs suggest.
         """
         verify = self._verify_seconds(batch_size * (k + 1))
         draft = interpolate(averages.draft_cost, batch_size) if k > 0 else 0.0
-        if verify is None or draft is None:
+        if verify is None:
             return None
+        draft = draft or 0.0
         verify = max(verify, self._verify_seconds(batch_size))  # a wider forward is never cheaper (noise aside)
+        overhead = self.step_overhead.get((averages.name if k > 0 else None, batch_size), 0.0)
         extra, reach = 0.0, 1.0
         acceptance = averages.acceptance()
         for i in range(k):
             reach *= acceptance[i]
             extra += reach
         share = 1.0 if drafting_rows is None else drafting_rows / batch_size
-        return (1.0 + share * extra) / (draft * k + verify)
+        return (1.0 + share * extra) / max(draft * k + verify + overhead, 1e-9)
 
     def choose_k(self, batch_size: int = 1, source: str | None = None, drafting_rows: int | None = None) -> int:
         """k for the next step of `batch_size` sequences decoded together (0 = plain decoding).
@@ -160,8 +184,6 @@ class AdaptiveController:
                 best_rate, k = max(rates)
                 if k > 0 and best_rate < (1 + self.settings.min_gain) * rates[0][0]:
                     k = 0  # within noise of plain decoding: a measured gain this small is no gain
-                if k > 0 and self._whole_steps_say_plain(source, batch_size):
-                    k = 0
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 if after_probe:  # the probe found drafting still does not pay: wait longer for the next
                     self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF)
@@ -232,17 +254,17 @@ class AdaptiveController:
         return [(h + ROW_PRIOR_STEPS * a) / (n + ROW_PRIOR_STEPS) for h, n, a in zip(hits, reached, prior)]
 
     def _could_pay(self, averages: _Averages, batch_size: int, drafting_rows: int | None = None) -> bool:
-        """Would drafting beat plain decoding here if every draft were accepted?
+        """Would drafting beat plain decoding here by min_gain if every draft were accepted?
 
-        When not (a batch so large that verifying extra tokens costs more than they can bring),
+        When not (a batch so large that verifying extra tokens costs more than they can bring; a
+        draft model and a verify pass that cost, on an AVX2-only CPU, what the accepted tokens save),
         plain decoding is chosen on cost alone and a probe could only confirm it.
         """
-        perfect = _Averages([1.0] * self.settings.k_max, averages.draft_cost, [MIN_REACHED] * self.settings.k_max)
+        k_max = self.settings.k_max
+        perfect = _Averages([1.0] * k_max, averages.draft_cost, [MIN_REACHED] * k_max, averages.name)
         plain = self.expected_rate(0, perfect, batch_size)
-        rates = [
-            self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, self.settings.k_max + 1)
-        ]
-        return max(rates) > (plain or 0.0)
+        rates = [self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, k_max + 1)]
+        return max(rates) > (1 + self.settings.min_gain) * (plain or 0.0)
 
     def observe(
         self,
@@ -278,20 +300,12 @@ class AdaptiveController:
             for name in list(self.recent_sources):
                 self.recent_sources[name] //= 2
 
-    def observe_step(self, source: str | None, batch_size: int, tokens: int, seconds: float) -> None:
-        """Record a whole step of `batch_size` sequences that committed `tokens` in `seconds`, in which only
-        `source` drafted (None: a plain step)."""
-        if tokens > 0:
-            key = (source, batch_size)
-            self.step_cost[key] = moving_average(self.step_cost.get(key), seconds / tokens, self.settings.smoothing)
-
-    def _whole_steps_say_plain(self, source: str, batch_size: int) -> bool:
-        """Whether a step drafting from `source` should be plain: its whole steps measured slower per token than
-        plain ones at this batch size, or plain ones not measured yet (once drafting ones were)."""
-        drafting, plain = self.step_cost.get((source, batch_size)), self.step_cost.get((None, batch_size))
-        if drafting is None:
-            return False
-        return plain is None or drafting > plain
+    def observe_step(self, source: str | None, batch_size: int, seconds: float, priced_seconds: float) -> None:
+        """Record a whole step of `batch_size` sequences in which only `source` drafted (None: a plain step):
+        it took `seconds`, of which the cost model prices `priced_seconds` (the drafting and the forward)."""
+        key = (source, batch_size)
+        overhead = max(seconds - priced_seconds, 0.0)
+        self.step_overhead[key] = moving_average(self.step_overhead.get(key), overhead, self.settings.smoothing)
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """Record a draft model feeding `tokens` committed tokens it had not seen (a prompt, plain steps)."""

@@ -16,8 +16,10 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
+from verispec.models import w4a8
 from verispec.models.kv_cache import KVCache
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, weights_identity
+from verispec.models.machine import remembered_choice
 
 DEFAULT_ROWS = (1, 4, 8)  # plain decoding, a short verify pass, the longest draft's
 DEFAULT_CONTEXT = 256  # tokens of prompt in the cache: a short prompt's worth, cheap to prefill
@@ -80,3 +82,52 @@ def _prompted_cache(model: Forwarding, context: int, most_rows: int) -> KVCache:
 def _token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
     """(1, count) distinct-looking token ids that every vocabulary holds: what they say does not change a cost."""
     return ((torch.arange(count) + offset) % vocab_size)[None]
+
+
+STEP_ROWS = (1, 2, 4, 8)  # a plain step and verify passes of 1, 3 and 7 drafts (between them, lines)
+STEP_CONTEXT = 64  # tokens of prompt before the timed forwards
+CATCH_UP_TOKENS = 32  # a draft model's catch-up is timed as one forward over this many tokens
+STEP_ROUNDS = 3
+
+
+def step_costs(target: LoadedModel, draft: Forwarding | None = None) -> dict:
+    """What a step's parts cost here, before any request: {"verify": {tokens: seconds of a target forward over
+    them}, "draft": seconds of a one-token draft-model forward or None, "catch_up_per_token": seconds per token of
+    a draft-model forward over CATCH_UP_TOKENS tokens (a catch-up) or None}.
+
+    Remembered per machine, weights, formats and threads where both models are named (a draft loaded by
+    load_draft_model carries its weights' directory): the same models then start from the same costs without
+    timing them again. What the steps measure later moves these as it moves any measured cost.
+    """
+    def measure() -> dict:
+        models = {"target": target.model} | ({"draft": draft} if draft is not None else {})
+        context = max(1, min(STEP_CONTEXT, target.model.config.max_position_embeddings - max(STEP_ROWS) - 1))
+        costs = forward_costs(models, STEP_ROWS, context, rounds=STEP_ROUNDS, warmup=1)
+        return {
+            "verify": {str(n): seconds for n, seconds in costs["target"].items()},
+            "draft": costs["draft"][1] if draft is not None else None,
+            "catch_up_per_token": _catch_up_seconds(draft) / CATCH_UP_TOKENS if draft is not None else None,
+        }
+
+    check = getattr(draft, "format_check", None)
+    if draft is not None and check is None:  # an unnamed draft (built in memory): timed, not remembered
+        measured = measure()
+    else:
+        draft_name = "none" if draft is None else f"{weights_identity(check.directory)} {check.chosen}"
+        target_format = target.format.label if target.format is not None else str(target.model.dtype)
+        kind = (f"step costs | target {weights_identity(target.directory)} {target_format} | draft {draft_name}"
+                f" | {torch.get_num_threads()} threads | kernels {w4a8.build_digest()}")
+        measured = remembered_choice(kind, measure)
+    return measured | {"verify": {int(n): seconds for n, seconds in measured["verify"].items()}}
+
+
+def _catch_up_seconds(draft: Forwarding, rounds: int = STEP_ROUNDS) -> float:
+    """Median seconds of one draft forward over CATCH_UP_TOKENS new tokens, scoring only the last (a catch-up)."""
+    cache = draft.new_cache(1, CATCH_UP_TOKENS)
+    tokens = _token_ids(CATCH_UP_TOKENS, draft.vocab_size, offset=11)
+    times = []
+    for _ in range(rounds + 1):
+        started = time.perf_counter()
+        draft.forward(tokens, cache, last_only=True)  # never committed: every round sees the empty cache
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])

@@ -42,6 +42,7 @@ from verispec.drafters.draft_format import replace_format
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
 from verispec.config import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
+from verispec.models.forward_cost import step_costs
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import (
@@ -239,6 +240,12 @@ class Scheduler:
             else None
         )
         self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
+        if self.k == "auto" and not self.controller.verify_cost:
+            # The first steps choose by the forwards' costs (remembered per machine), not by trying: where no draft
+            # can pay, the first request does not pay for learning it (a prompt's catch-up, a k of first_k).
+            costs = step_costs(target, draft_model)
+            drafts = {BatchedDraftModel.source: costs["draft"]} if costs["draft"] is not None else {}
+            self.controller.seed(costs["verify"], drafts, costs["catch_up_per_token"])
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
         self._prefilling: _Sequence | None = None  # the prompt going in, in row len(active)
         self._step_seconds: float | None = None  # moving average of a decoding step
@@ -793,7 +800,8 @@ class Scheduler:
                 batched = self.draft is not None and BatchedDraftModel.source in drafters
                 catch_up = self.draft.catch_up_seconds if batched else 0.0
                 self.controller.observe_step(
-                    next(iter(drafters), None), n, sum(map(len, new_tokens)), time.perf_counter() - started - catch_up
+                    next(iter(drafters), None), n, time.perf_counter() - started - catch_up,
+                    sum(draft_seconds.values()) + forward_seconds,
                 )
         if self.metrics is not None:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
