@@ -154,6 +154,34 @@ def test_a_probe_catches_its_row_up_even_where_estimates_say_it_cannot_pay(targe
     assert proposals[0].num_tokens == 1 and scheduler.draft.behind(0, sequence.tokens) <= LONG_TAIL
 
 
+def test_a_probe_far_behind_feeds_only_a_window_and_drafting_on_from_it_stays_exact(target):
+    """A probe's row far behind restarts its draft cache from the latest PROBE_WINDOW tokens (its cost bounded
+    however long the text); drafting on from that window keeps the output plain decoding's, and the row's draft
+    cache follows the committed tokens past the part it skipped."""
+    from verispec.serving.scheduler import PROBE_WINDOW
+
+    prompt = target.encode(PROMPTS[1]) * 6
+    assert len(prompt) > 3 * PROBE_WINDOW
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(2, 8, 256))
+    handle = scheduler.submit(prompt, GenerationConfig(max_new_tokens=30))
+    scheduler._admit()
+    sequence = scheduler.active[0]
+    proposals, _ = scheduler._draft([1], ["draft-model"], probing=True)
+    assert proposals[0].num_tokens == 1
+    assert scheduler.draft.catch_up_tokens < PROBE_WINDOW  # not the prompt's hundreds
+    assert scheduler.draft.skipped[0] == len(sequence.tokens) - PROBE_WINDOW
+    scheduler.k = 3  # draft on from the window
+    skipped = scheduler.draft.skipped[0]
+    while scheduler.run_once():
+        if scheduler.active:  # the row's draft cache agrees with the committed tokens after the skipped ones but
+            # the newest few (the next proposal's sync rolls back rejected drafts; it is what this call does)
+            tail = scheduler.draft._sync(0, sequence.tokens)
+            assert 1 <= len(tail) <= 4 and scheduler.draft.cached_tokens[0] == sequence.tokens[skipped : -len(tail)]
+    events = list(handle.iter_events())
+    assert [t for e in events for t in e.token_ids] == plain_tokens(target, prompt, 30)
+    assert events[-1].stats.drafted_tokens > 30  # it drafted on (k = 3 a step)
+
+
 def test_build_scheduler_loads_the_composite_drafters_model(tiny_dir, other_tiny_dir):
     from verispec.serving.scheduler import build_scheduler
 

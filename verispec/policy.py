@@ -148,7 +148,7 @@ class AdaptiveController:
             return None
         draft = draft or 0.0
         verify = max(verify, self._verify_seconds(batch_size))  # a wider forward is never cheaper (noise aside)
-        overhead = self.step_overhead.get((averages.name if k > 0 else None, batch_size), 0.0)
+        overhead = self._overhead(averages.name if k > 0 else None, batch_size)
         extra, reach = 0.0, 1.0
         acceptance = averages.acceptance()
         for i in range(k):
@@ -156,6 +156,12 @@ class AdaptiveController:
             extra += reach
         share = 1.0 if drafting_rows is None else drafting_rows / batch_size
         return (1.0 + share * extra) / max(draft * k + verify + overhead, 1e-9)
+
+    def _overhead(self, source: str | None, batch_size: int) -> float:
+        """Seconds a whole step takes beyond its drafting and forward: measured for this source (None: plain) at
+        this batch size, else what plain steps measured (a drafting step does all that a plain one does)."""
+        plain = self.step_overhead.get((None, batch_size), 0.0)
+        return plain if source is None else self.step_overhead.get((source, batch_size), plain)
 
     def choose_k(self, batch_size: int = 1, source: str | None = None, drafting_rows: int | None = None) -> int:
         """k for the next step of `batch_size` sequences decoded together (0 = plain decoding).

@@ -39,6 +39,7 @@ class BatchedDraftModel:
         self.cache = model.new_cache(max_batch_size, capacity)
         self.cached_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # per row, in cache order
         self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
+        self.skipped = [0] * max_batch_size  # committed tokens at the start the row never saw (restart_window)
         self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
         self.catch_up_tokens = 0  # tokens those long tails held
         self.faults: dict[int, Exception] = {}  # of the last propose(): rows whose own sampling or grammar failed
@@ -48,6 +49,7 @@ class BatchedDraftModel:
         self.cache.lengths[row] = 0
         self.cached_tokens[row] = []
         self.known_committed[row] = 0
+        self.skipped[row] = 0
 
     def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
         """Start a new sequence in `destination` with what row `source` holds of the same prompt (n choices)."""
@@ -55,12 +57,22 @@ class BatchedDraftModel:
         self.cache.copy_prefix(source, destination, length)
         self.cached_tokens[destination] = self.cached_tokens[source][:length]
         self.known_committed[destination] = length
+        self.skipped[destination] = 0
 
     def prefill(self, row: int, token_ids: list[int]) -> None:
         """Feed a new sequence's committed tokens (its prompt but the last token) to `row` now, not at its first proposal."""
         self.model.prefill(token_ids, self.cache.rows(row, row + 1))
         self.cached_tokens[row].extend(token_ids)
-        self.known_committed[row] = len(self.cached_tokens[row])
+        self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
+
+    def restart_window(self, row: int, tokens: list[int], window: int) -> None:
+        """Let the row see only the last `window` of its committed `tokens` from now on: its next proposal feeds
+        those (at positions from 0) instead of everything it missed. Any draft is verified exactly, so a shorter
+        context costs acceptance at most, and the catch-up costs `window` tokens however far behind it was."""
+        self.skipped[row] = max(0, len(tokens) - window)
+        self.cache.lengths[row] = 0
+        self.cached_tokens[row] = []
+        self.known_committed[row] = self.skipped[row]
 
     def behind(self, row: int, tokens: list[int]) -> int:
         """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
@@ -70,18 +82,20 @@ class BatchedDraftModel:
         self.cache.move_row(source, destination)
         self.cached_tokens[destination] = self.cached_tokens[source]
         self.known_committed[destination] = self.known_committed[source]
+        self.skipped[destination] = self.skipped[source]
 
     def _sync(self, row: int, tokens: list[int]) -> list[int]:
-        """Roll row back to the prefix it shares with `tokens`; return the tokens it still has to see."""
-        cached = self.cached_tokens[row]
-        limit = min(len(cached), len(tokens) - 1)  # the newest token is always fed
-        common = min(self.known_committed[row], limit)
-        while common < limit and cached[common] == tokens[common]:
+        """Roll row back to the prefix it shares with `tokens` (past what it skipped); return the tokens it still has
+        to see."""
+        cached, skipped = self.cached_tokens[row], self.skipped[row]
+        limit = min(len(cached), len(tokens) - skipped - 1)  # the newest token is always fed
+        common = max(min(self.known_committed[row] - skipped, limit), 0)
+        while common < limit and cached[common] == tokens[skipped + common]:
             common += 1
         self.known_committed[row] = len(tokens)
         del cached[common:]
         self.cache.lengths[row] = common
-        return tokens[common:]
+        return tokens[skipped + common :]
 
     def _catch_up(self, row: int, tail: list[int], limit: int | None) -> list[int] | None:
         """Feed a long tail (a prompt, or plain steps) to the row alone: all but its last token, or at most
@@ -96,7 +110,7 @@ class BatchedDraftModel:
         self.cached_tokens[row].extend(fed)
         rest = tail[len(fed) :]
         if len(rest) > LONG_TAIL:  # the rest next time: no draft from this row this step
-            self.known_committed[row] = len(self.cached_tokens[row])
+            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
             return None
         return rest
 

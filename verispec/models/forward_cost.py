@@ -92,20 +92,23 @@ STEP_ROUNDS = 3
 
 def step_costs(target: LoadedModel, draft: Forwarding | None = None) -> dict:
     """What a step's parts cost here, before any request: {"verify": {tokens: seconds of a target forward over
-    them}, "draft": seconds of a one-token draft-model forward or None, "catch_up_per_token": seconds per token of
+    them}, "draft": seconds of a two-token draft-model forward (what a draft position costs: a step's first
+    draft forward feeds the token the last verify pass added too) or None, "catch_up_per_token": seconds per token of
     a draft-model forward over CATCH_UP_TOKENS tokens (a catch-up) or None}.
 
     Remembered per machine, weights, formats and threads where both models are named (a draft loaded by
     load_draft_model carries its weights' directory): the same models then start from the same costs without
     timing them again. What the steps measure later moves these as it moves any measured cost.
     """
+
     def measure() -> dict:
         models = {"target": target.model} | ({"draft": draft} if draft is not None else {})
         context = max(1, min(STEP_CONTEXT, target.model.config.max_position_embeddings - max(STEP_ROWS) - 1))
         costs = forward_costs(models, STEP_ROWS, context, rounds=STEP_ROUNDS, warmup=1)
         return {
             "verify": {str(n): seconds for n, seconds in costs["target"].items()},
-            "draft": costs["draft"][1] if draft is not None else None,
+            # A drafting step's first draft forward feeds the token the last verify pass added as well: two tokens.
+            "draft": costs["draft"][2] if draft is not None else None,
             "catch_up_per_token": _catch_up_seconds(draft) / CATCH_UP_TOKENS if draft is not None else None,
         }
 

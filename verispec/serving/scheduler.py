@@ -628,6 +628,10 @@ class Scheduler:
             ]
             first = drafting.index(True)
             drafting = current if any(current) else [row == first for row in range(len(active))]
+            if not any(current) and self.draft.behind(first, active[first].tokens) > PROBE_WINDOW:
+                # A probe is there to measure acceptance, which the latest tokens show as well as all of them: a
+                # whole catch-up made one probe cost 2.4 s on an AVX2 Zen 1 (30 plain steps), and grows with the text.
+                self.draft.restart_window(first, active[first].tokens, PROBE_WINDOW)
         if self.draft is not None and self.k == "auto" and not probing:
             # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (a
             # cold first measurement had a server never draft again: benchmarks/results/zen5/kernel-interleave-zen5).
@@ -945,6 +949,7 @@ PREFILL_MIN_SHARE = 0.75
 WHOLE_PROMPT_STEPS = 8
 PACKED_FIRST_CHUNK = 8  # prompt tokens a decoding step carries before any prefill was timed
 PACKED_MAX_CHUNK = 512  # the most prompt tokens one decoding step carries
+PROBE_WINDOW = 24  # a probe's row far behind in the draft cache sees only its latest tokens (restart_window)
 
 
 def prefill_budget(
