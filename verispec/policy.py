@@ -21,7 +21,9 @@ The first step at a batch size b > 1 is plain (k = 0): its cost anchors what eac
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
 token) so it notices when the drafter starts to agree again (each probe that finds plain decoding still best
 doubles that wait, up to MAX_PROBE_BACKOFF times); unless the costs alone rule drafting
-out (it would not pay even if every draft were accepted), when a probe could learn nothing.
+out (it would not pay by min_gain even if every draft were accepted), when a probe could learn nothing.
+A draft model's probe row far behind sees only the latest tokens (the scheduler's PROBE_WINDOW), so a
+probe costs the same however long the text.
 
 The cost model leaves out what a step costs besides the draft and the verify pass (sampling, acceptance,
 a draft model's small catch-ups, Python), which differs between drafting and plain steps; on an AVX2-only

@@ -85,7 +85,7 @@ def _token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
 
 
 STEP_ROWS = (1, 2, 4, 8)  # a plain step and verify passes of 1, 3 and 7 drafts (between them, lines)
-STEP_CONTEXT = 64  # tokens of prompt before the timed forwards
+STEP_CONTEXT = 32  # tokens of prompt before the timed forwards
 CATCH_UP_TOKENS = 32  # a draft model's catch-up is timed as one forward over this many tokens
 STEP_ROUNDS = 3
 
