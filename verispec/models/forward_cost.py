@@ -18,6 +18,7 @@ import torch
 
 from verispec.models import w4a8
 from verispec.models.kv_cache import KVCache
+from verispec.models.linear import time_call
 from verispec.models.loading import LoadedModel, weights_identity
 from verispec.models.machine import remembered_choice
 
@@ -128,9 +129,5 @@ def _catch_up_seconds(draft: Forwarding, rounds: int = STEP_ROUNDS) -> float:
     """Median seconds of one draft forward over CATCH_UP_TOKENS new tokens, scoring only the last (a catch-up)."""
     cache = draft.new_cache(1, CATCH_UP_TOKENS)
     tokens = _token_ids(CATCH_UP_TOKENS, draft.vocab_size, offset=11)
-    times = []
-    for _ in range(rounds + 1):
-        started = time.perf_counter()
-        draft.forward(tokens, cache, last_only=True)  # never committed: every round sees the empty cache
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    # never committed: every call sees the empty cache
+    return time_call(lambda: draft.forward(tokens, cache, last_only=True), repeats=rounds)

@@ -257,7 +257,8 @@ BATCH_INVARIANT_FORMATS = ("w4a8", "w8a8")  # each row's result ignores the othe
 HOPELESS = 10.0  # a candidate whose one-row call takes this many times the best one's is not timed further
 
 
-def _time_call(function, repeats: int = 7) -> float:
+def time_call(function, repeats: int = 7) -> float:
+    """Median seconds of `repeats` calls of function(), after one warm-up call."""
     function()  # warm-up: first calls allocate and pick kernels
     times = []
     for _ in range(repeats):
@@ -300,7 +301,7 @@ def measure_formats(
                 # estimated from the screening call rather than timed at every row count.
                 seconds[candidate] = screened[candidate] * sum(rows) / screen_rows
                 continue
-            seconds[candidate] = sum(_time_call(lambda x=x: [linear(x) for linear in linears]) for x in inputs)
+            seconds[candidate] = sum(time_call(lambda x=x: [linear(x) for linear in linears]) for x in inputs)
         except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
             continue
     return seconds
