@@ -84,6 +84,6 @@ def test_generate_reports_the_target_format_and_fast_format_speculation_is_exact
     assert dense["target_format"]["format"] == "none"  # auto keeps an explicit float32 exact
 
 
-def test_models_says_what_auto_quantization_picks_here(capsys):
+def test_models_says_where_auto_quantization_is_decided(capsys):
     assert main(["models"]) == 0
-    assert "--quantize auto on this CPU:" in capsys.readouterr().out
+    assert "--quantize auto: a target's format is timed at its first load" in capsys.readouterr().out

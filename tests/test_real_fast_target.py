@@ -15,7 +15,6 @@ import torch
 from conftest import FAST_FORMATS, real_thread_count
 from verispec import GenerationConfig, SpeculativeEngine, load_draft_model, load_model
 from verispec.bench.workloads import chat, humaneval
-from verispec.models.loading import resolve_format
 
 pytestmark = [
     pytest.mark.real,
@@ -34,7 +33,7 @@ def fast_pair(request, default_pair):
     target, drafter = default_pair
     if request.param != "auto" or not target.model.batch_invariant:
         # the other format; or auto measured dense as faster here: test the fast format itself
-        quantize = "w8a8" if resolve_format("auto", torch.bfloat16).weight_format == "w4a8" else "w4a8"
+        quantize = "w8a8" if target.format.choice.weight_format == "w4a8" else "w4a8"
         target = load_model(TARGET, "bfloat16", quantize=quantize if request.param != "auto" else FAST_FORMATS[0])
         drafter = load_draft_model(DRAFT, target)
     yield target, drafter

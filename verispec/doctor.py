@@ -26,10 +26,13 @@ from verispec.models import w4a8
 from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.models.forward_cost import DEFAULT_CONTEXT, DEFAULT_ROUNDS, DEFAULT_ROWS, WARMUP_ROUNDS, forward_costs
 from verispec.models.linear import (
-    AUTO_PROBE, FORMATS, W4A8_LONG_PASS_ROWS, W8A8_INEXACT, FormatChoice, auto_candidates, onednn_int8_runs,
+    FORMATS, W4A8_LONG_PASS_ROWS, W8A8_INEXACT, FormatChoice, auto_candidates, onednn_int8_runs,
     w8a8_available,
 )
-from verispec.models.loading import LoadedModel, build_kernel, load_model, resolve_dtype, resolve_format, resolve_model
+from verispec.models.loading import (
+    LoadedModel, build_kernel, load_model, resolve_dtype, resolve_model, resolve_target_format,
+)
+from verispec.models.target_format import PROBE_ROWS, PROBE_SHARE
 from verispec.models.machine import FORMAT_CHOICES_FILE, cache_root, consulted_kinds, cpu_flags, remembered_choices
 from verispec.policy import ControllerSettings, interpolate
 
@@ -40,8 +43,8 @@ TARGET_ROWS = (1, 2, 4, 8)  # timed for every model: a verify pass of k + 1 rows
 # Speculation pays where it beats plain decoding by the margin `--k auto` asks of it before it drafts.
 PAYS = 1.0 + ControllerSettings().min_gain
 PLAIN_IS_BETTER = "plain decoding is the better default here"
-TARGET_PROBE = (f"1 + 8 rows through {AUTO_PROBE['copies']} {AUTO_PROBE['in_features']} -> "
-                f"{AUTO_PROBE['out_features']} linears")  # how choose_format times a target's candidates
+TARGET_PROBE = (f"whole forwards summed over {' + '.join(map(str, PROBE_ROWS))} rows, estimated from the model's "
+                f"first {PROBE_SHARE:.0%} of layers and its output head")  # how target_format times the candidates
 WEIGHT_ONLY = ("int8", "int4")  # bfloat16 activations only (Transformer._check_format)
 NO_ONEDNN_INT8 = "this torch build has no oneDNN int8 linear (not an x86-64 CPU build)"
 
@@ -70,7 +73,7 @@ def diagnose(
     dtype = resolve_dtype("auto")
     resolve_model(target)  # a model that is missing fails now, not after the timing (the draft's is read below)
     build_kernel("auto", progress=False)  # where w4a8 can run, build it now: whether it did decides the candidates
-    target_choice = resolve_format("auto", dtype, dtype_asked=False)
+    target_choice = resolve_target_format(target)  # auto times whole forwards of the target (once per machine)
     chosen_draft = load_model(draft, "auto")  # auto times whole forwards of the draft (once per machine)
     draft_choice = quantize_draft(chosen_draft, "auto", dtype_asked=False)
     target_formats = _to_time(target_choice, _weight_formats(auto_candidates()), formats)

@@ -23,8 +23,8 @@ import torch
 from verispec.models import w4a8
 from verispec.models.forward_cost import forward_costs
 from verispec.models.linear import FORMATS, FormatChoice, w4a8_choice, w8a8_available
-from verispec.models.loading import LoadedModel, build_kernel, load_model, weights_identity
-from verispec.models.machine import forget_choice, remembered_choice
+from verispec.models.loading import LoadedModel, build_kernel, load_model
+from verispec.models.machine import forget_choice, remembered_choice, weights_identity
 from verispec.models.transformer import Transformer
 
 QUANTIZATIONS = ("auto", *FORMATS)

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import torch
 
 from verispec.models import w4a8
 from verispec.models.kv_cache import KVCache
 from verispec.models.linear import time_call
-from verispec.models.loading import LoadedModel, weights_identity
-from verispec.models.machine import remembered_choice
+from verispec.models.machine import remembered_choice, weights_identity
+
+if TYPE_CHECKING:  # loading times targets with this module: it may not import loading
+    from verispec.models.loading import LoadedModel
 
 DEFAULT_ROWS = (1, 4, 8)  # plain decoding, a short verify pass, the longest draft's
 DEFAULT_CONTEXT = 256  # tokens of prompt in the cache: a short prompt's worth, cheap to prefill
@@ -39,7 +41,7 @@ class Forwarding(Protocol):
 
 
 def forward_costs(
-    models: Mapping[str, LoadedModel | Forwarding],
+    models: Mapping[str, "LoadedModel | Forwarding"],
     rows: tuple[int, ...] = DEFAULT_ROWS,
     context: int = DEFAULT_CONTEXT,
     rounds: int = DEFAULT_ROUNDS,
@@ -56,7 +58,7 @@ def forward_costs(
     if rounds < 1 or warmup < 0 or context < 1 or not rows or min(rows) < 1:
         raise ValueError(f"need rounds >= 1, warmup >= 0, context >= 1 and rows >= 1; got {rounds}, {warmup}, "
                          f"{context}, {rows}")
-    transformers = {name: m.model if isinstance(m, LoadedModel) else m for name, m in models.items()}
+    transformers = {name: m if hasattr(m, "forward") else m.model for name, m in models.items()}  # a LoadedModel: its .model
     caches = {name: _prompted_cache(model, context, max(rows)) for name, model in transformers.items()}
     inputs = {name: {n: _token_ids(n, m.vocab_size, offset=7) for n in rows} for name, m in transformers.items()}
     seconds: dict[tuple[str, int], list[float]] = {(name, n): [] for name in transformers for n in rows}
@@ -91,7 +93,7 @@ CATCH_UP_TOKENS = 32  # a draft model's catch-up is timed as one forward over th
 STEP_ROUNDS = 3
 
 
-def step_costs(target: LoadedModel, draft: Forwarding | None = None) -> dict:
+def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
     """What a step's parts cost here, before any request: {"verify": {tokens: seconds of a target forward over
     them}, "draft": seconds of a two-token draft-model forward (what a draft position costs: a step's first
     draft forward feeds the token the last verify pass added too) or None, "catch_up_per_token": seconds per token of

@@ -1,6 +1,7 @@
 """Linear layers in the weight formats a model can run in, and how `auto` picks one by measuring.
 
-Formats (the `--quantize` choices; "auto" picks among them, see `choose_format`):
+Formats (the `--quantize` choices; a target's "auto" picks among them by timing whole forwards of the model,
+see verispec.models.target_format; `choose_format` resolves the rest):
   none  dense weights in the compute dtype (F.linear).
   w8a8  int8 weights (one scale per output row) times int8 activations (one scale per input row),
         integer accumulation in oneDNN with prepacked weights (only where its sums are exact: CPUs with
@@ -329,7 +330,9 @@ def w4a8_long_pass_kinds() -> tuple[str, ...]:
 
 
 def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:
-    """Resolve `--quantize` for a target: "auto" times w4a8, w8a8 (both activation kinds) and dense.
+    """Resolve `--quantize` for a target without loading it: "auto" times w4a8, w8a8 (both activation kinds) and
+    dense on linears alone. load_model's "auto" times whole forwards of the model instead (target_format) and
+    comes here only where dense is kept; "w8a8" picks its activation kind here.
 
     auto keeps dense weights for float32/float16 compute that was asked for (dtype_asked: asking for
     those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without

@@ -22,15 +22,12 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
-from verispec.models.machine import cache_root, cpu_supports_bfloat16, remembered_choice
-from verispec.models import w4a8
-from verispec.models.linear import (
-    BATCH_INVARIANT_FORMATS, FormatChoice, auto_candidates, choose_format, w4a8_long_pass_kinds,
-)
+from verispec.models.machine import CACHE_MARKER, cache_root, cpu_supports_bfloat16
+from verispec.models import target_format, w4a8
+from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CACHE_MARKER = "verispec-cache.json"  # written last: a directory without it is an unfinished conversion
 # The cache holds bfloat16, what runs (and what w8a8 is quantized from) on CPUs with bf16 dot
 # products: half the disk and load memory of float32. Caches written by older versions (float32,
 # no "layout" in the marker) are converted again.
@@ -81,22 +78,6 @@ class LoadedModel:
             raise ValueError(f"model {self.name!r} has no chat template; drop --chat and pass the raw prompt")
         messages = [{"role": "user", "content": user_message}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def weights_identity(directory: Path) -> str:
-    """What names a model's weights in a remembered choice (16 hex digits): a catalog model's GGUF sha256, else
-    each weight file's name, size and modification time."""
-    marker = directory / CACHE_MARKER
-    if marker.exists():
-        try:
-            sha256 = json.loads(marker.read_text()).get("sha256")
-        except (OSError, ValueError):
-            sha256 = None
-        if sha256:
-            return sha256[:16]
-    files = sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
-    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
-    return hashlib.sha256(stamp.encode()).hexdigest()[:16]
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -305,6 +286,10 @@ class SafetensorsWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
+    def names(self) -> list[str]:
+        """The tensors not taken yet."""
+        return list(self._file_of)
+
     def pop(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
@@ -336,44 +321,70 @@ def load_model(
     converted into the cache the first time; later loads read the cache.
 
     quantize: the weight format of every matmul, "auto" or one of FORMATS (verispec.models.linear).
-    "auto" measures the candidates on this CPU (about a second) and picks the fastest; the choice
-    and its measurements are in `LoadedModel.format`. Targets load with "auto" from the CLI and the
+    "auto" times whole forwards of the model in each candidate format on this CPU, once per machine and
+    weights (verispec.models.target_format), and picks the fastest; the choice and its measurements are
+    in `LoadedModel.format`. Targets load with "auto" from the CLI and the
     server; the default here is "none" so that a library user gets exactly the weights they named.
     """
     torch_dtype = resolve_dtype(dtype)
     build_kernel(quantize, progress)
-    choice = resolve_format(quantize, torch_dtype, dtype_asked=dtype != "auto")
     name, directory, extra_eos = resolve_model(spec, progress)
     transformers = _quiet_transformers(progress)
     config = ModelConfig.from_dir(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    whole_forwards = _times_whole_forwards(quantize, torch_dtype, dtype_asked=dtype != "auto")
+    if whole_forwards:
+        kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype)
+    else:
+        choice = choose_format(quantize, torch_dtype, dtype_asked=dtype != "auto")
     started = time.perf_counter()
-    weights = SafetensorsWeights(directory)
-    label = f"loading {name}" + ("" if choice.weight_format == "none" else f" as {choice.label}")
-    bar = _progress_bar(config.num_layers, label, progress, unit="layer")
-    with bar:
-        model = Transformer(
-            config, weights, torch_dtype, choice.weight_format, choice.activations, lambda _: bar.update(1)
-        )
+    model = _build(name, directory, config, torch_dtype, choice, progress)
+    if whole_forwards and not timed_now and target_format.is_stale(model, kept):
+        # Another format's remembered estimate is MARGIN below what the loaded one costs: time them again.
+        target_format.forget(directory, torch_dtype)
+        retimed, _, choice = _whole_forward_choice(directory, config, torch_dtype)
+        if retimed["format"] != kept["format"]:
+            del model
+            model = _build(name, directory, config, torch_dtype, choice, progress)
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
 
 
-def resolve_format(quantize: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:
-    """choose_format, with `auto`'s answer for this machine remembered (see remembered_choice)."""
-    if quantize != "auto" or (dtype != torch.bfloat16 and dtype_asked):
-        return choose_format(quantize, dtype, dtype_asked)
+def resolve_target_format(spec: str | Path, dtype: str | torch.dtype = "auto", progress: bool = False) -> FormatChoice:
+    """The format load_model(spec, dtype, quantize="auto") loads the target in: remembered, or timed now."""
+    torch_dtype = resolve_dtype(dtype)
+    build_kernel("auto", progress)
+    if not _times_whole_forwards("auto", torch_dtype, dtype_asked=dtype != "auto"):
+        return choose_format("auto", torch_dtype, dtype_asked=dtype != "auto")
+    _, directory, _ = resolve_model(spec, progress)
+    return _whole_forward_choice(directory, ModelConfig.from_dir(directory), torch_dtype)[2]
 
-    def measure() -> dict:
-        choice = choose_format("auto", dtype, dtype_asked)
-        return {"format": choice.weight_format, "activations": choice.activations, "seconds": choice.seconds}
 
-    kind = (
-        f"target auto {str(dtype).removeprefix('torch.')} among {','.join(auto_candidates())}"
-        f"; w4a8 long passes among {','.join(w4a8_long_pass_kinds())}"
-    )
-    kept = remembered_choice(kind, measure)
-    return FormatChoice(kept["format"], kept["activations"], kept["seconds"])
+def _times_whole_forwards(quantize: str, dtype: torch.dtype, dtype_asked: bool) -> bool:
+    """True where `auto` chooses among formats (see choose_format): then by whole forwards (target_format)."""
+    return quantize == "auto" and (dtype == torch.bfloat16 or not dtype_asked)
+
+
+def _whole_forward_choice(directory: Path, config: ModelConfig, dtype: torch.dtype) -> tuple[dict, bool, FormatChoice]:
+    """target_format.choose's (remembered choice, timed just now) for these weights, and the choice's FormatChoice."""
+
+    def read_probe() -> dict[str, torch.Tensor]:
+        weights = SafetensorsWeights(directory)
+        return {name: weights.pop(name) for name in target_format.probe_tensor_names(weights.names(), config)}
+
+    kept, timed_now = target_format.choose(directory, config, dtype, read_probe)
+    return kept, timed_now, target_format.candidate_choice(kept["format"], dtype, kept["seconds"])
+
+
+def _build(name: str, directory: Path, config: ModelConfig, dtype: torch.dtype, choice: FormatChoice,
+           progress: bool) -> Transformer:
+    """The Transformer of the weights in `directory`, in `choice`'s format, with a progress bar per layer."""
+    label = f"loading {name}" + ("" if choice.weight_format == "none" else f" as {choice.label}")
+    with _progress_bar(config.num_layers, label, progress, unit="layer") as bar:
+        return Transformer(
+            config, SafetensorsWeights(directory), dtype, choice.weight_format, choice.activations,
+            lambda _: bar.update(1),
+        )
 
 
 def build_kernel(quantize: str, progress: bool) -> None:

@@ -7,6 +7,7 @@ them here), so no module imports a higher layer for a CPU flag or the cache root
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 
 FORMAT_CHOICES_FILE = "format-choices.json"
+CACHE_MARKER = "verispec-cache.json"  # written last in a converted model's directory: one without it is unfinished
 
 
 @functools.cache
@@ -58,6 +60,22 @@ def cache_root() -> Path:
         return Path(os.environ["VERISPEC_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "verispec"
+
+
+def weights_identity(directory: Path) -> str:
+    """What names a model's weights in a remembered choice (16 hex digits): a catalog model's GGUF sha256, else
+    each weight file's name, size and modification time."""
+    marker = directory / CACHE_MARKER
+    if marker.exists():
+        try:
+            sha256 = json.loads(marker.read_text()).get("sha256")
+        except (OSError, ValueError):
+            sha256 = None
+        if sha256:
+            return sha256[:16]
+    files = sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
+    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
+    return hashlib.sha256(stamp.encode()).hexdigest()[:16]
 
 
 _consulted: set[str] = set()  # the kinds remembered_choice was asked for in this process: the choices in force

@@ -1,0 +1,118 @@
+"""The target's `auto` format: whole forwards estimated from a probe of the model, remembered, and checked at load."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import build_tiny_model
+from verispec.models import target_format
+from verispec.models.config import ModelConfig
+from verispec.models.linear import auto_candidates
+from verispec.models.loading import load_model, resolve_target_format
+from verispec.models.machine import FORMAT_CHOICES_FILE, cache_root, remembered_choices
+from verispec.models.transformer import Transformer
+
+SLOW = 0.03  # seconds a dense target forward sleeps on top of its real cost
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache of its own: no remembered choice from other tests or runs (the kernels built once are shared)."""
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def slow_dense(monkeypatch):
+    """Dense targets' forwards (the probe's among them) become SLOW seconds slower: a format that a remembered
+    choice may name wrongly."""
+    forward = Transformer.forward
+
+    def slowed(self, *args, **kwargs):
+        if self.weight_format == "none":
+            time.sleep(SLOW)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", slowed)
+
+
+def target_choices() -> dict[str, dict]:
+    return {kind: choice for kind, choice in remembered_choices().items() if kind.startswith("target auto")}
+
+
+def plant(fmt: str) -> None:
+    """Rewrite the one remembered target choice to name `fmt` (its estimates stay as measured)."""
+    path = cache_root() / FORMAT_CHOICES_FILE
+    table = json.loads(path.read_text())
+    (key,) = [key for key in table if key.startswith("target auto")]
+    table[key]["format"] = fmt
+    path.write_text(json.dumps(table))
+
+
+def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cache, tiny_dir, monkeypatch):
+    target = load_model(tiny_dir, "bfloat16", quantize="auto")
+    (kind, kept), = target_choices().items()
+    assert "| weights " in kind and "| kernels " in kind and "whole forwards" in kind
+    assert set(kept["seconds"]) == set(kept["one_row"]) == set(auto_candidates())  # every candidate that runs here
+    assert kept["format"] == min(kept["seconds"], key=kept["seconds"].get)
+    assert target.model.weight_format == kept["format"].partition("-")[0]
+    assert target.format.choice.seconds["none"] == kept["seconds"]["none"]
+    monkeypatch.setattr(target_format, "estimated_forward_seconds", lambda *a: pytest.fail("timed again"))
+    again = load_model(tiny_dir, "bfloat16", quantize="auto")  # remembered (and its check at load holds)
+    assert again.format.choice == target.format.choice and target_choices() == {kind: kept}
+    assert resolve_target_format(tiny_dir, "bfloat16") == target.format.choice  # what doctor reports
+
+
+def test_a_wrong_remembered_target_format_is_timed_again_at_load(cache, tiny_dir, slow_dense):
+    load_model(tiny_dir, "bfloat16", quantize="auto")
+    [measured] = target_choices().values()
+    assert measured["format"] != "none"  # dense is SLOW seconds slower than every other format here
+    plant("none")  # a wrong choice; its estimates (dense's slow cost among them) still true
+    target = load_model(tiny_dir, "bfloat16", quantize="auto")
+    assert target.model.weight_format != "none" and target.format.choice.weight_format != "none"
+    [corrected] = target_choices().values()
+    assert corrected["format"] != "none" and corrected["seconds"] != measured["seconds"]  # timed again
+
+
+def test_a_remembered_target_choice_that_still_holds_is_kept(cache, tiny_dir, slow_dense):
+    load_model(tiny_dir, "bfloat16", quantize="auto")
+    [measured] = target_choices().values()
+    load_model(tiny_dir, "bfloat16", quantize="auto")
+    assert list(target_choices().values()) == [measured]  # the check at load found nothing faster
+
+
+def test_exact_arithmetic_keeps_dense_and_times_nothing(cache, tiny_dir):
+    assert load_model(tiny_dir, "float32", quantize="auto").model.weight_format == "none"  # float32 asked: exact
+    assert target_choices() == {}
+
+
+def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tmp_path, monkeypatch):
+    directory = build_tiny_model(tmp_path / "deep", seed=3, layers=8)
+    config = ModelConfig.from_dir(directory)
+    assert target_format.probe_layers(8) == 2 and target_format.probe_layers(2) == 2
+    assert target_format.probe_layers(28) == 7 and target_format.probe_layers(1) == 1
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.layers.2.mlp.up_proj.weight", "model.layers.10.mlp.up_proj.weight"]
+    assert target_format.probe_tensor_names(names, config) == names[:4]
+    timed = []
+
+    def fake_costs(models, rows, context, rounds):  # a probe of 2 layers: 10 + n ms, its head alone: 4 + n ms
+        timed.append({name: len(model.layers) for name, model in models.items()})
+        return {name: {n: (4 + n + (6 if model.layers else 0)) / 1000 for n in rows} for name, model in models.items()}
+
+    monkeypatch.setattr(target_format, "forward_costs", fake_costs)
+    from safetensors.torch import load_file
+
+    dense = {name: tensor for name, tensor in load_file(directory / "model.safetensors").items()
+             if name in target_format.probe_tensor_names(list(load_file(directory / "model.safetensors")), config)}
+    estimates = target_format.estimated_forward_seconds(config, dense, torch.bfloat16)
+    assert timed[0] == {name: (0 if name.endswith(" head") else 2) for name in timed[0]}
+    for by_rows in estimates.values():  # head + 8 / 2 * (probe - head) = (4 + n) + 4 * 6 ms
+        assert by_rows == pytest.approx({n: (28 + n) / 1000 for n in target_format.PROBE_ROWS})

@@ -1,0 +1,127 @@
+"""A target's `auto` weight format, chosen from whole forwards timed at the widths a step runs.
+
+One linear timed alone misjudges a model: it misses the attention, the norms, the output head and the memory
+traffic of the rest of the forward (on a Zen 4 one MLP linear ranked a draft's formats the wrong way round,
+w8a8-u8 at half w4a8's cost where the whole forward cost 2.8 times as much). A whole target in every candidate
+format would cost each first load a full quantization per format, so `auto` times a probe of the model itself:
+its first PROBE_SHARE of decoder layers with their real weights, the embedding and the output head, and beside
+it the same head with no layers, in every candidate format, side by side (forward_costs), at PROBE_ROWS new
+tokens (a plain step and verify passes). A whole forward of n tokens is estimated as
+
+    head(n) + (layers / probed layers) * (probe(n) - head(n))
+
+and the candidate whose estimates, summed over PROBE_ROWS, are least is chosen. The choice is remembered per
+machine, weights and kernel build (remembered_choice), and checked whenever the model loads (is_stale): where the
+loaded model's measured forwards cost MARGIN times another candidate's estimate, the formats are timed again.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Iterable
+
+import torch
+
+from verispec.models import w4a8
+from verispec.models.config import ModelConfig
+from verispec.models.forward_cost import forward_costs
+from verispec.models.linear import FormatChoice, auto_candidates, w4a8_choice, w4a8_long_pass_kinds
+from verispec.models.machine import forget_choice, remembered_choice, weights_identity
+from verispec.models.transformer import Transformer
+
+PROBE_SHARE = 0.25  # of the decoder layers, loaded for the probe (at least MIN_PROBE_LAYERS)
+MIN_PROBE_LAYERS = 2
+PROBE_ROWS = (1, 2, 4, 8)  # a plain step, verify passes of 1, 3 and 7 drafts
+PROBE_CONTEXT = 32  # tokens of prompt in the cache before each timed forward
+PROBE_ROUNDS = 5
+CHECK_ROUNDS = 3  # one-row forwards of the loaded model, after one warm-up, that check a remembered choice
+MARGIN = 1.5  # the format in force may cost this many times another candidate's estimate before it is timed again
+
+
+def probe_layers(num_layers: int) -> int:
+    """How many of a model's decoder layers the probe loads."""
+    return min(num_layers, max(MIN_PROBE_LAYERS, round(num_layers * PROBE_SHARE)))
+
+
+def probe_tensor_names(names: Iterable[str], config: ModelConfig) -> list[str]:
+    """The tensors a probe needs: everything outside the decoder layers, and the first probe_layers() layers."""
+    kept = {f"model.layers.{i}." for i in range(probe_layers(config.num_layers))}
+    return [name for name in names if not name.startswith("model.layers.") or name[: name.index(".", 13) + 1] in kept]
+
+
+def choice_kind(directory, dtype: torch.dtype) -> str:
+    """The remembered choice's kind for a target's weights in `dtype` (remembered_choice adds the machine)."""
+    return (f"target auto {str(dtype).removeprefix('torch.')} among {','.join(auto_candidates())}"
+            f"; w4a8 long passes among {','.join(w4a8_long_pass_kinds())} | weights {weights_identity(directory)}"
+            f" | kernels {w4a8.build_digest()} | whole forwards")
+
+
+def choose(directory, config: ModelConfig, dtype: torch.dtype, read_probe: Callable[[], dict]) -> tuple[dict, bool]:
+    """(the remembered whole-forward choice for the target in `directory`, whether it was timed just now).
+
+    The choice: {"format": a candidate of auto_candidates, "seconds": candidate -> estimated seconds of whole
+    forwards summed over PROBE_ROWS, "one_row": candidate -> estimated seconds of a one-row forward}.
+    read_probe() returns the probe's dense tensors (name -> tensor, see probe_tensor_names); it is called only
+    when the formats are timed.
+    """
+    timed_now = []
+
+    def measure() -> dict:
+        estimates = estimated_forward_seconds(config, read_probe(), dtype)
+        seconds = {candidate: sum(by_rows.values()) for candidate, by_rows in estimates.items()}
+        timed_now.append(True)
+        return {"format": min(seconds, key=seconds.get), "seconds": seconds,
+                "one_row": {candidate: by_rows[1] for candidate, by_rows in estimates.items()}}
+
+    return remembered_choice(choice_kind(directory, dtype), measure), bool(timed_now)
+
+
+def is_stale(model: Transformer, kept: dict, rounds: int = CHECK_ROUNDS) -> bool:
+    """Whether the loaded `model` (in kept's format) costs, one row at a time, MARGIN times another candidate's
+    remembered one-row estimate: then the remembered choice no longer holds here (a CPU that changed under the
+    same name, a kernel that regressed, a choice planted by hand) and the formats should be timed again."""
+    others = {name: seconds for name, seconds in kept.get("one_row", {}).items() if name != kept["format"]}
+    if not others:
+        return False
+    costs = forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds=rounds, warmup=1)["loaded"]
+    return costs[1] > MARGIN * min(others.values())
+
+
+def forget(directory, dtype: torch.dtype) -> None:
+    """Drop the remembered choice for this target, so that the next choose() times the formats again."""
+    forget_choice(choice_kind(directory, dtype))
+
+
+def candidate_choice(candidate: str, dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
+    """"w8a8-u8" -> FormatChoice("w8a8", "u8"); w4a8 takes the long-pass kind its prefill timing chose."""
+    if candidate == "w4a8":
+        return w4a8_choice(dtype, seconds)
+    weight_format, _, activations = candidate.partition("-")
+    return FormatChoice(weight_format, activations or "s8", seconds)
+
+
+def estimated_forward_seconds(config: ModelConfig, dense: dict, dtype: torch.dtype) -> dict[str, dict[int, float]]:
+    """candidate -> {n: estimated seconds of a whole forward of the model over n new tokens} for n in PROBE_ROWS.
+
+    dense: the probe's tensors; candidates that cannot run here are left out.
+    """
+    probed = probe_layers(config.num_layers)
+    probe_config = dataclasses.replace(config, num_layers=probed)
+    models: dict[str, Transformer] = {}
+    for candidate in auto_candidates():
+        choice = candidate_choice(candidate, dtype)
+        try:
+            probe = Transformer(probe_config, dict(dense), dtype, choice.weight_format, choice.activations)
+        except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
+            continue
+        head_only = copy.copy(probe)  # the same embedding and head (shared tensors), no decoder layers
+        head_only.layers = []
+        models[candidate], models[f"{candidate} head"] = probe, head_only
+    costs = forward_costs(models, PROBE_ROWS, PROBE_CONTEXT, rounds=PROBE_ROUNDS)
+    scale = config.num_layers / probed
+    estimates = {}
+    for candidate in (name for name in models if not name.endswith(" head")):
+        probe, head = costs[candidate], costs[f"{candidate} head"]
+        estimates[candidate] = {n: head[n] + scale * max(0.0, probe[n] - head[n]) for n in PROBE_ROWS}
+    return estimates
