@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from conftest import build_tiny_model
+from verispec import GenerationConfig, SpeculativeEngine
 from verispec.models import target_format
 from verispec.models.config import ModelConfig
 from verispec.models.linear import auto_candidates
 from verispec.models.loading import load_model, resolve_target_format
 from verispec.models.machine import FORMAT_CHOICES_FILE, cache_root, remembered_choices
 from verispec.models.transformer import Transformer
+from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 SLOW = 0.03  # seconds a dense target forward sleeps on top of its real cost
+PROMPT = "def add(a, b):"
 
 
 @pytest.fixture
@@ -116,3 +119,29 @@ def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tm
     assert timed[0] == {name: (0 if name.endswith(" head") else 2) for name in timed[0]}
     for by_rows in estimates.values():  # head + 8 / 2 * (probe - head) = (4 + n) + 4 * 6 ms
         assert by_rows == pytest.approx({n: (28 + n) / 1000 for n in target_format.PROBE_ROWS})
+
+
+def test_a_server_replaces_a_target_format_found_slow_while_serving_when_it_is_idle(cache, tiny_dir, slow_dense):
+    """A dense target whose check holds estimates that made dense look fastest (as a choice made under other
+    conditions would): only the plain forwards a server times show it is not. The request in flight finishes on
+    the weights it started with; the target is loaded again, in the format timed anew, once no request is left."""
+    dense = load_model(tiny_dir, "bfloat16")  # quantize="none": no check of its own
+    others = {name: 1e-7 for name in auto_candidates() if name != "none"}
+    kept = {"format": "none", "seconds": {"none": 1e-8, **others}, "one_row": {"none": 1e-8, **others}}
+    dense.model.target_format_check = target_format.ServingCheck(kept, tiny_dir, torch.bfloat16)
+    plain = SpeculativeEngine(dense).generate(PROMPT, GenerationConfig(max_new_tokens=40, k=0)).token_ids
+    scheduler = Scheduler(dense, None, "none", k=0, limits=SchedulerLimits(2, 8, 256, 1 << 20))
+    first = scheduler.submit(dense.encode(PROMPT), GenerationConfig(max_new_tokens=40))
+    while scheduler.run_once():
+        pass
+    assert [t for event in first.iter_events() for t in event.token_ids] == plain  # on the weights it began with
+    assert dense.model.weight_format == "none" and dense.model.target_format_check.stale
+    assert target_choices() == {}  # the wrong choice is forgotten at once ...
+    scheduler.run_once()  # ... and, idle, the target is loaded again in the format timed now
+    assert scheduler.target_format_replacements == 1 and dense.model.weight_format != "none"
+    [retimed] = target_choices().values()
+    assert retimed["format"] != "none" and dense.format.choice.weight_format == dense.model.weight_format
+    second = scheduler.submit(dense.encode(PROMPT), GenerationConfig(max_new_tokens=8))
+    while scheduler.run_once():
+        pass
+    assert [e.finish_reason for e in second.iter_events()][-1] == "length"

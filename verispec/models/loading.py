@@ -346,6 +346,9 @@ def load_model(
         if retimed["format"] != kept["format"]:
             del model
             model = _build(name, directory, config, torch_dtype, choice, progress)
+        kept = retimed
+    if whole_forwards:  # what a server checks against the forwards it times
+        model.target_format_check = target_format.ServingCheck(kept, directory, torch_dtype)
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
 

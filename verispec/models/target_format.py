@@ -17,8 +17,11 @@ loaded model's measured forwards cost MARGIN times another candidate's estimate,
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import statistics
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -37,6 +40,7 @@ PROBE_CONTEXT = 32  # tokens of prompt in the cache before each timed forward
 PROBE_ROUNDS = 5
 CHECK_ROUNDS = 3  # one-row forwards of the loaded model, after one warm-up, that check a remembered choice
 MARGIN = 1.5  # the format in force may cost this many times another candidate's estimate before it is timed again
+WINDOW = 16  # plain one-token forwards, timed while serving, whose median is checked
 
 
 def probe_layers(num_layers: int) -> int:
@@ -81,11 +85,45 @@ def is_stale(model: Transformer, kept: dict, rounds: int = CHECK_ROUNDS) -> bool
     """Whether the loaded `model` (in kept's format) costs, one row at a time, MARGIN times another candidate's
     remembered one-row estimate: then the remembered choice no longer holds here (a CPU that changed under the
     same name, a kernel that regressed, a choice planted by hand) and the formats should be timed again."""
-    others = {name: seconds for name, seconds in kept.get("one_row", {}).items() if name != kept["format"]}
-    if not others:
+    if not _others(kept):
         return False
-    costs = forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds=rounds, warmup=1)["loaded"]
-    return costs[1] > MARGIN * min(others.values())
+    return slower_than_another(kept, forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds, warmup=1)["loaded"][1])
+
+
+def slower_than_another(kept: dict, one_row_seconds: float) -> bool:
+    """Whether a one-row forward of kept's format that took `one_row_seconds` costs MARGIN times another
+    candidate's remembered estimate."""
+    others = _others(kept)
+    return bool(others) and one_row_seconds > MARGIN * min(others.values())
+
+
+def _others(kept: dict) -> dict[str, float]:
+    return {name: seconds for name, seconds in kept.get("one_row", {}).items() if name != kept["format"]}
+
+
+@dataclasses.dataclass
+class ServingCheck:
+    """The remembered format of a loaded target, checked against the plain one-token forwards a server times
+    (load_model sets one on the Transformer as `target_format_check`; the scheduler feeds it)."""
+
+    kept: dict  # the remembered choice in force (see choose)
+    directory: Path  # the target's weights, to time them and load them again
+    dtype: torch.dtype
+    observed: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    stale: bool = False  # found slow: the remembered choice is forgotten and the target should be loaded again
+
+    def observe(self, seconds: float) -> bool:
+        """One plain one-token forward of the target: True (once) when the median of the last WINDOW ones costs
+        MARGIN times another candidate's estimate; the remembered choice is then forgotten, so that the next
+        load times the formats again."""
+        if self.stale:
+            return False
+        self.observed.append(seconds)
+        if len(self.observed) < WINDOW or not slower_than_another(self.kept, statistics.median(self.observed)):
+            return False
+        self.stale = True
+        forget(self.directory, self.dtype)
+        return True
 
 
 def forget(directory, dtype: torch.dtype) -> None:

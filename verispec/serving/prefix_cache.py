@@ -63,6 +63,11 @@ class PrefixCache:
         self._blocks: collections.OrderedDict[BlockKey, _Block] = collections.OrderedDict()  # oldest use first
         self._ids = itertools.count(1)
 
+    def clear(self) -> None:
+        """Drop every block (their keys came from weights no longer loaded); the counts in `stats` stay."""
+        self._blocks.clear()
+        self.nbytes = 0
+
     def __len__(self) -> int:
         return len(self._blocks)
 

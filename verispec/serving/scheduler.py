@@ -43,7 +43,7 @@ from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
 from verispec.config import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
 from verispec.models.forward_cost import step_costs
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, load_model
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import (
     AdaptiveController, ControllerSettings, estimated_forward_seconds, largest_fitting_chunk, moving_average,
@@ -240,6 +240,7 @@ class Scheduler:
             else None
         )
         self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
+        self.target_format_replacements = 0  # how often a target format found slow while serving was replaced
         if self.k == "auto" and not self.controller.verify_cost:
             # The first steps choose by the forwards' costs (remembered per machine), not by trying: where no draft
             # can pay, the first request does not pay for learning it (a prompt's catch-up, a k of first_k).
@@ -383,6 +384,8 @@ class Scheduler:
             self._finish(self._prefilling, "cancelled")
             self._prefilling = None
         self._end_overdue(time.perf_counter())
+        if not self.active and self._prefilling is None and self.num_waiting == 0:
+            self._replace_slow_target()
         self._admit()
         if self.active:
             self._step()
@@ -676,6 +679,26 @@ class Scheduler:
             self.draft.model = replace_format(self.draft.model)
             self.draft_format_replacements += 1
 
+    def _check_target_format(self, forward_seconds: float) -> None:
+        """Feed one plain one-token target forward to the target's format check (target_format.ServingCheck)."""
+        check = getattr(self.target.model, "target_format_check", None)
+        if check is not None and check.observe(forward_seconds):
+            log.warning("the target's remembered format %s runs MARGIN slower than another format's estimate here; "
+                        "it is timed again and replaced when the server is next idle", check.kept["format"])
+
+    def _replace_slow_target(self) -> None:
+        """With no request in flight, load the target again where its format check found it slow: the formats are
+        timed again (the remembered choice was forgotten), and the prefix cache, whose keys the old weights
+        computed, is emptied."""
+        check = getattr(self.target.model, "target_format_check", None)
+        if check is None or not check.stale:
+            return
+        replacement = load_model(check.directory, check.dtype, quantize="auto")
+        self.target.model, self.target.format = replacement.model, replacement.format
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.target_format_replacements += 1
+
     @staticmethod
     def _own_proposal(sequence: _Sequence, k: int) -> Proposal:
         """A sequence's own drafter's proposal (a lookup, or a library's drafter), cut where its grammar forbids a
@@ -761,6 +784,8 @@ class Scheduler:
         self.cache.rows(0, n).commit(torch.tensor(accepted) + 1)
         finished_at = time.perf_counter()
         forward_seconds = finished_at - verifying
+        if not chunk and verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
+            self._check_target_format(forward_seconds)
         if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
             total = verify_tokens + len(chunk)
             self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
@@ -1027,7 +1052,6 @@ def build_scheduler(
     own forwards), else off.
     """
     from verispec.drafters import load_draft_model
-    from verispec.models.loading import load_model
 
     if drafter not in SERVED_DRAFTERS:
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
