@@ -64,7 +64,7 @@ def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cac
     (kind, kept), = target_choices().items()
     assert "| weights " in kind and "| kernels " in kind and "whole forwards" in kind
     assert set(kept["seconds"]) == set(kept["one_row"]) == set(auto_candidates())  # every candidate that runs here
-    assert kept["format"] == min(kept["seconds"], key=kept["seconds"].get)
+    assert kept["format"] == min(kept["seconds"], key=kept["seconds"].get) and kept["calibration"] > 0
     assert target.model.weight_format == kept["format"].partition("-")[0]
     assert target.format.choice.seconds["none"] == kept["seconds"]["none"]
     monkeypatch.setattr(target_format, "estimated_forward_seconds", lambda *a: pytest.fail("timed again"))
@@ -145,3 +145,12 @@ def test_a_server_replaces_a_target_format_found_slow_while_serving_when_it_is_i
     while scheduler.run_once():
         pass
     assert [e.finish_reason for e in second.iter_events()][-1] == "length"
+
+
+def test_the_check_compares_with_the_best_other_estimate_by_the_margin_after_calibration():
+    kept = {"format": "w4a8", "one_row": {"w4a8": 0.010, "w8a8-u8": 0.020, "none": 0.040}}
+    assert not target_format.slower_than_another(kept, 0.029)  # 1.45x the best other's estimate
+    assert target_format.slower_than_another(kept, 0.031)
+    assert not target_format.slower_than_another(kept | {"calibration": 2.0}, 0.059)  # estimates ran 2x low here
+    assert target_format.slower_than_another(kept | {"calibration": 2.0}, 0.061)
+    assert not target_format.slower_than_another({"format": "none", "one_row": {"none": 0.01}}, 1.0)  # nothing else

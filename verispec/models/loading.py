@@ -339,16 +339,18 @@ def load_model(
         choice = choose_format(quantize, torch_dtype, dtype_asked=dtype != "auto")
     started = time.perf_counter()
     model = _build(name, directory, config, torch_dtype, choice, progress)
-    if whole_forwards and not timed_now and target_format.is_stale(model, kept):
-        # Another format's remembered estimate is MARGIN below what the loaded one costs: time them again.
-        target_format.forget(directory, torch_dtype)
-        retimed, _, choice = _whole_forward_choice(directory, config, torch_dtype)
-        if retimed["format"] != kept["format"]:
-            del model
-            model = _build(name, directory, config, torch_dtype, choice, progress)
-        kept = retimed
-    if whole_forwards:  # what a server checks against the forwards it times
-        model.target_format_check = target_format.ServingCheck(kept, directory, torch_dtype)
+    if whole_forwards:
+        if not timed_now and target_format.is_stale(model, kept):
+            # Another format's remembered estimate is MARGIN below what the loaded one costs: time them again.
+            target_format.forget(directory, torch_dtype)
+            loaded_format = kept["format"]
+            kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype)
+            if kept["format"] != loaded_format:
+                del model
+                model = _build(name, directory, config, torch_dtype, choice, progress)
+        if timed_now:
+            kept = target_format.calibrate(model, kept, directory, torch_dtype)
+        model.target_format_check = target_format.ServingCheck(kept, directory, torch_dtype)  # a server feeds it
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)
 

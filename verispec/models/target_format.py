@@ -11,8 +11,10 @@ tokens (a plain step and verify passes). A whole forward of n tokens is estimate
     head(n) + (layers / probed layers) * (probe(n) - head(n))
 
 and the candidate whose estimates, summed over PROBE_ROWS, are least is chosen. The choice is remembered per
-machine, weights and kernel build (remembered_choice), and checked whenever the model loads (is_stale): where the
-loaded model's measured forwards cost MARGIN times another candidate's estimate, the formats are timed again.
+machine, weights and kernel build (remembered_choice), with the ratio of the loaded model's measured one-row forward
+to its estimate (calibrate), and checked whenever the model loads (is_stale) and while a server runs it
+(ServingCheck): where the loaded model's one-row forward costs MARGIN times another candidate's calibrated estimate,
+the formats are timed again.
 """
 
 from __future__ import annotations
@@ -81,20 +83,32 @@ def choose(directory, config: ModelConfig, dtype: torch.dtype, read_probe: Calla
     return remembered_choice(choice_kind(directory, dtype), measure), bool(timed_now)
 
 
-def is_stale(model: Transformer, kept: dict, rounds: int = CHECK_ROUNDS) -> bool:
+def is_stale(model: Transformer, kept: dict) -> bool:
     """Whether the loaded `model` (in kept's format) costs, one row at a time, MARGIN times another candidate's
     remembered one-row estimate: then the remembered choice no longer holds here (a CPU that changed under the
     same name, a kernel that regressed, a choice planted by hand) and the formats should be timed again."""
-    if not _others(kept):
-        return False
-    return slower_than_another(kept, forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds, warmup=1)["loaded"][1])
+    return bool(_others(kept)) and slower_than_another(kept, one_row_seconds(model))
 
 
-def slower_than_another(kept: dict, one_row_seconds: float) -> bool:
-    """Whether a one-row forward of kept's format that took `one_row_seconds` costs MARGIN times another
-    candidate's remembered estimate."""
+def calibrate(model: Transformer, kept: dict, directory, dtype: torch.dtype) -> dict:
+    """kept, remembered again with its "calibration": the loaded model's measured one-row forward over the probe's
+    estimate of it. The probe's few layers may stay in cache where a whole model's do not; the checks scale every
+    estimate by this ratio, so that such a bias in the estimates does not make a choice look stale at every load."""
+    calibrated = kept | {"calibration": one_row_seconds(model) / kept["one_row"][kept["format"]]}
+    forget(directory, dtype)
+    return remembered_choice(choice_kind(directory, dtype), lambda: calibrated)
+
+
+def one_row_seconds(model: Transformer, rounds: int = CHECK_ROUNDS) -> float:
+    """Median seconds of the loaded model's one-token forward after PROBE_CONTEXT tokens."""
+    return forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds, warmup=1)["loaded"][1]
+
+
+def slower_than_another(kept: dict, one_row: float) -> bool:
+    """Whether a one-row forward of kept's format that took `one_row` seconds costs MARGIN times another
+    candidate's remembered estimate (scaled by the calibration)."""
     others = _others(kept)
-    return bool(others) and one_row_seconds > MARGIN * min(others.values())
+    return bool(others) and one_row > MARGIN * kept.get("calibration", 1.0) * min(others.values())
 
 
 def _others(kept: dict) -> dict[str, float]:
