@@ -348,7 +348,7 @@ def load_model(
             if kept["format"] != loaded_format:
                 del model
                 model = _build(name, directory, config, torch_dtype, choice, progress)
-        if timed_now:
+        if timed_now or "calibration" not in kept:  # (timed without a model: resolve_target_format)
             kept = target_format.calibrate(model, kept, directory, torch_dtype)
         model.target_format_check = target_format.ServingCheck(kept, directory, torch_dtype)  # a server feeds it
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
