@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -78,11 +79,13 @@ def test_same_seed_reproduces_and_seeds_differ(target, other):
     assert runs[0] != runs[2]
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup", "cross-tokenizer"])
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "draft-model-small-head", "prompt-lookup", "cross-tokenizer"])
 def test_sampled_output_follows_the_target_distribution(target, other, tiny_llama_dir, repeating_prompt, drafter_kind):
     """Through the whole engine, two sampled tokens follow plain decoding's exact law.
 
-    draft-model proposes with its q; prompt-lookup and cross-tokenizer propose point masses (q = 1).
+    draft-model proposes with its q; its small-head variant with q zero outside half the vocabulary (draft_vocab:
+    tokens the target may well sample are never drafted); prompt-lookup and cross-tokenizer propose point masses
+    (q = 1).
     """
     from verispec.drafters import PromptLookupDrafter, make_drafter
 
@@ -91,6 +94,7 @@ def test_sampled_output_follows_the_target_distribution(target, other, tiny_llam
     law = exact_two_token_law(target, prompt_ids, sampling)
     drafter = {
         "draft-model": lambda: DraftModelDrafter(other.model, target.model.vocab_size),
+        "draft-model-small-head": lambda: DraftModelDrafter(small_head(other.model), target.model.vocab_size),
         "prompt-lookup": lambda: PromptLookupDrafter(min_ngram=1),
         "cross-tokenizer": lambda: make_drafter("cross-tokenizer", target, str(tiny_llama_dir), "float32"),
     }[drafter_kind]()
@@ -98,6 +102,13 @@ def test_sampled_output_follows_the_target_distribution(target, other, tiny_llam
     assert spec.generate(prompt_ids, greedy(max_new_tokens=2, k=3)).stats.drafted_tokens > 0  # it does propose
     runs = 1500
     assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs), law, runs)
+
+
+def small_head(model):
+    """A copy of `model` whose head covers every other token id."""
+    trimmed = copy.copy(model)
+    trimmed.restrict_output_vocab(torch.arange(0, model.vocab_size, 2))
+    return trimmed
 
 
 def test_sampled_output_with_adaptive_k_follows_the_target_distribution(target, other, repeating_prompt):

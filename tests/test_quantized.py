@@ -259,10 +259,26 @@ def test_the_onednn_probe_agrees_with_an_int8_matmul_of_full_range_values():
 
 
 @pytest.mark.parametrize("weight_format", FAST_FORMATS)
-def test_restricting_the_vocabulary_after_quantizing_is_refused(tiny_dir, weight_format):
-    model = load_model(tiny_dir, "bfloat16", quantize=weight_format).model
-    with pytest.raises(ValueError, match="before quantizing"):
-        model.restrict_output_vocab(torch.tensor([1, 2]))
+def test_a_quantized_head_restricted_from_its_dense_rows_equals_one_restricted_before_quantizing(tiny_dir, weight_format):
+    after = load_model(tiny_dir, "bfloat16", quantize=weight_format).model
+    with pytest.raises(ValueError, match="pass dense_rows"):
+        after.restrict_output_vocab(torch.tensor([1, 2]))
+    keep = torch.cat([torch.arange(0, 60, 2), torch.tensor([201, 333])])  # 32 rows: the 4-bit kernel's blocks tile them
+    tied = after.config.tie_word_embeddings
+    after.restrict_output_vocab(keep, after.embed[keep] if tied else dense_head(tiny_dir)[keep])
+    before = load_model(tiny_dir, "bfloat16").model
+    before.restrict_output_vocab(keep)
+    choice = load_model(tiny_dir, "bfloat16", quantize=weight_format).format.choice
+    before.quantize(choice.weight_format, choice.activations)
+    assert after.lm_head.format == before.lm_head.format != "none"
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(after.forward(ids, after.new_cache(1, 8)), before.forward(ids, before.new_cache(1, 8)))
+
+
+def dense_head(directory):
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")["lm_head.weight"].to(torch.bfloat16)
 
 
 @needs_w8a8

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from verispec.drafters import DRAFTERS, drafter_for
+from verispec.drafters.draft_vocab import DRAFT_VOCAB_HELP, argparse_vocab
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 from verispec.serving.guard import ACCESS_LOG_FORMATS, served_model_name
@@ -67,6 +68,7 @@ def _add_format_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
         help="draft model format (lossless: only acceptance changes); auto: int4, w4a8 or w8a8, whichever is faster here",
     )
+    parser.add_argument("--draft-vocab", default="full", type=argparse_vocab, help=DRAFT_VOCAB_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,7 +325,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     progress = not args.json and sys.stderr.isatty()
     target = load_model(args.target, args.dtype, progress=progress, quantize=args.quantize)
     drafter = None if plain else make_drafter(
-        args.drafter, target, args.draft, args.dtype, args.draft_quantize, args.corpus, progress
+        args.drafter, target, args.draft, args.dtype, args.draft_quantize, args.corpus, progress, args.draft_vocab
     )
     if args.chat:
         prompt = target.apply_chat_template(prompt)
@@ -407,7 +409,7 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
         threads = total // most
     settings = ReplicaSettings(
         target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype, quantize=args.quantize,
-        draft_quantize=args.draft_quantize, k=args.k, k_max=args.k_max, max_batch_size=args.max_batch_size,
+        draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab, k=args.k, k_max=args.k_max, max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting, max_context=args.max_context, prefix_cache_mb=args.prefix_cache_mb,
         chunked_prefill=args.chunked_prefill, max_request_bytes=args.max_request_bytes,
         served_model_name=args.served_model_name, threads=threads, replicas=replicas,
@@ -455,7 +457,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler = start_in_model_thread(lambda: build_scheduler(
             args.target, args.draft if drafter in MODEL_DRAFTERS else None, drafter, args.dtype, args.draft_quantize,
             args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
-            chunked_prefill=args.chunked_prefill, k_per_sequence=args.k_per_sequence,
+            chunked_prefill=args.chunked_prefill, k_per_sequence=args.k_per_sequence, draft_vocab=args.draft_vocab,
         ), args.threads)
     except BaseException:
         sock.close()

@@ -58,6 +58,7 @@ def parse_formats(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from verispec.drafters.draft_vocab import DRAFT_VOCAB_HELP, argparse_vocab
     from verispec.models.linear import QUANTIZE_CHOICES
 
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "runs); with several, every mode runs on each target, named mode[format], against the first one's plain",
     )
     parser.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES)
+    parser.add_argument("--draft-vocab", default="full", type=argparse_vocab, help=DRAFT_VOCAB_HELP)
     parser.add_argument(
         "--check", choices=["pass@1"], default=None,
         help="pass@1: run each output against the prompt's own tests (humaneval, or a JSONL with HumanEval's "
@@ -108,7 +110,9 @@ def build_modes(args, target, console) -> list:
     for mode, kind in DRAFTER_OF_MODE.items():
         if mode in args.modes:
             draft = args.cross_draft if mode == "cross" else args.draft
-            drafter = make_drafter(kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True)
+            drafter = make_drafter(
+                kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True, vocab=args.draft_vocab
+            )
             if mode == "unrelated":
                 drafter = ScrambledDrafter(drafter, target.model.vocab_size)
             # One engine per mode: the adaptive controller learns only from its own runs.
@@ -303,6 +307,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "draft_quantize": args.draft_quantize,
+        "draft_vocab": args.draft_vocab,
         "target_formats": [t.format.as_dict() for t in targets],
         "baseline": modes[0].name,
         "baselines": {m.name: baseline_of(m) for m in modes},

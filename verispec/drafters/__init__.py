@@ -12,6 +12,7 @@ from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.draft_format import QUANTIZATIONS, draft_candidates, quantize_draft
+from verispec.drafters.draft_vocab import trim_head
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models.loading import LoadedModel, load_model
 
@@ -44,12 +45,13 @@ def load_draft_model(
     dtype: str | torch.dtype = "auto",
     quantize: str = "auto",
     progress: bool = False,
+    vocab: str | int = "full",
 ) -> DraftModelDrafter:
-    """Load a same-tokenizer draft model, made cheaper by quantization.
+    """Load a same-tokenizer draft model, made cheaper by quantization and, where asked, a smaller head.
 
     quantize: "auto" = int4, w4a8, w8a8 or dense, whichever one-row forward of the whole draft measures
     fastest on this CPU (the draft's cost, not its accuracy, decides the speedup on CPUs; see draft_format);
-    or one of FORMATS.
+    or one of FORMATS. vocab: "full", N (a head over the N most frequent tokens) or "auto" (see draft_vocab).
     The output is the target's either way.
     """
     if quantize not in QUANTIZATIONS:
@@ -57,6 +59,7 @@ def load_draft_model(
     draft = load_model(spec, dtype, progress)
     check_same_vocabulary(target, draft)
     quantize_draft(draft, quantize, progress, dtype_asked=dtype != "auto")
+    trim_head(draft, target, vocab)
     return DraftModelDrafter(draft.model, target.model.vocab_size)
 
 
@@ -68,6 +71,7 @@ def make_drafter(
     quantize: str = "auto",
     corpus: list[Path] | None = None,
     progress: bool = False,
+    vocab: str | int = "full",
 ) -> Drafter | None:
     """Build a drafter by name (see DRAFTERS); "none" means plain decoding.
 
@@ -75,7 +79,7 @@ def make_drafter(
     (suffix-index also indexes `corpus` files or directories). cross-tokenizer: a model with its own
     tokenizer (`draft`). composite: the suffix index first (it beat prompt lookup on code-edit, see
     benchmarks/results/zen5/code-edit), then the draft model (same tokenizer) or the cross-tokenizer model
-    when `draft`'s tokenizer differs.
+    when `draft`'s tokenizer differs. vocab: a same-tokenizer draft model's head (see load_draft_model).
     """
     if kind not in DRAFTERS:
         raise ValueError(f"drafter {kind!r} is not one of {', '.join(DRAFTERS)}")
@@ -90,7 +94,7 @@ def make_drafter(
     if draft is None or draft.lower() == "none":
         raise ValueError(f"drafter {kind!r} needs a draft model: pass --draft NAME_OR_PATH")
     if kind == "draft-model":
-        return load_draft_model(draft, target, dtype, quantize, progress)
+        return load_draft_model(draft, target, dtype, quantize, progress, vocab)
     model = load_model(draft, dtype, progress)
     same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     if kind == "cross-tokenizer":
@@ -98,6 +102,7 @@ def make_drafter(
         return CrossTokenizerDrafter(model, target)
     quantize_draft(model, quantize, progress, dtype_asked=dtype != "auto")
     if same_vocabulary:
+        trim_head(model, target, vocab)
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
         fallback = CrossTokenizerDrafter(model, target)

@@ -118,6 +118,8 @@ def replace_format(model: Transformer) -> Transformer:
     check: FormatCheck = model.format_check
     forget_choice(check.kind)
     dense = load_model(check.directory, model.dtype)
+    if model.output_token_ids is not None:  # a head over fewer tokens (draft_vocab) stays so
+        dense.model.restrict_output_vocab(model.output_token_ids)
     dense.model.invariant_attention = False
     _timed_choice(dense, check.quantize, check.candidates, check=False)
     check.replaced_by = dense.model

@@ -120,6 +120,8 @@ def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
         measured = measure()
     else:
         draft_name = "none" if draft is None else f"{weights_identity(check.directory)} {check.chosen}"
+        if getattr(draft, "output_token_ids", None) is not None:  # a head over fewer tokens (draft_vocab)
+            draft_name += f" head {draft.lm_head.out_features}"
         target_format = target.format.label if target.format is not None else str(target.model.dtype)
         kind = (f"step costs | target {weights_identity(target.directory)} {target_format} | draft {draft_name}"
                 f" | {torch.get_num_threads()} threads | kernels {w4a8.build_digest()}")

@@ -257,17 +257,20 @@ class Transformer:
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim, self.dtype)
 
-    def restrict_output_vocab(self, token_ids: torch.Tensor) -> None:
+    def restrict_output_vocab(self, token_ids: torch.Tensor, dense_rows: torch.Tensor | None = None) -> None:
         """Project only onto `token_ids`: logits come back over that subset, in that order.
 
         A drafter may do this to save the cost of the full vocabulary projection; its proposals
         stay verifiable because q is reported over the full vocabulary (zero outside the subset).
-        Call it before quantizing.
+        A quantized model needs the dense head's rows for those ids (dense_rows, (N, C)): the new head is
+        quantized in the model's format.
         """
-        if self.weight_format != "none":
-            raise ValueError("restrict the output vocabulary before quantizing the model")
+        if self.weight_format != "none" and dense_rows is None:
+            raise ValueError("a quantized model's head is restricted from its dense rows: pass dense_rows")
+        rows = self.lm_head.weight[token_ids] if dense_rows is None else dense_rows
         self.output_token_ids = token_ids.long()
-        self.lm_head = Linear(self.lm_head.weight[token_ids].contiguous())
+        self.lm_head = Linear(rows.to(self.dtype).contiguous())
+        self.lm_head.quantize(self.weight_format, self.activations)
 
     def quantize(self, weight_format: str, activations: str = "s8") -> None:
         """Put every matmul of a dense model in `weight_format` (see FORMATS); drafters use this."""

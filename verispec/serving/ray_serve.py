@@ -54,6 +54,7 @@ class ReplicaSettings(BaseModel):
     dtype: str = "auto"
     quantize: str = "auto"
     draft_quantize: str = "auto"
+    draft_vocab: str | int = "full"
     k: int | Literal["auto"] = "auto"
     k_max: int = Field(8, ge=1)
     max_batch_size: int = Field(16, ge=1)  # per replica
@@ -84,6 +85,13 @@ class ReplicaSettings(BaseModel):
     @classmethod
     def _k(cls, value: Any) -> Any:
         return int(value) if isinstance(value, str) and value.isdigit() else value
+
+    @field_validator("draft_vocab", mode="before")
+    @classmethod
+    def _draft_vocab(cls, value: Any) -> Any:
+        from verispec.drafters.draft_vocab import parse_vocab
+
+        return parse_vocab(str(value))
 
     @property
     def autoscaling(self) -> dict | None:
@@ -347,6 +355,7 @@ class VerispecReplica:
         self.scheduler = start_in_model_thread(lambda: build_scheduler(
             s.target, s.draft if drafter in MODEL_DRAFTERS else None, drafter, s.dtype, s.draft_quantize, s.k,
             s.k_max, limits, self.metrics, quantize=s.quantize, chunked_prefill=s.chunked_prefill,
+            draft_vocab=s.draft_vocab,
         ), s.threads)
         if self.scheduler.target.format is not None:
             self.metrics.set_target(self.scheduler.target.format.as_dict())

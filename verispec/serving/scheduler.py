@@ -1045,6 +1045,7 @@ def build_scheduler(
     quantize: str = "auto",
     chunked_prefill: bool | None = None,
     k_per_sequence: bool = False,
+    draft_vocab: str | int = "full",
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them.
 
@@ -1061,7 +1062,7 @@ def build_scheduler(
         if draft is None or draft.lower() == "none":
             raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
     if drafter in MODEL_DRAFTERS:
-        draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress).model
+        draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress, draft_vocab).model
     elif drafter == "cross-tokenizer":  # each sequence re-encodes text its own way: its own drafter, one shared model
         loaded = make_drafter(drafter, target_model, draft, dtype, draft_quantize, progress=progress).draft
 
