@@ -33,7 +33,13 @@ def fast_target(tiny_dir):
 
 
 def solo(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    return SpeculativeEngine(target, None).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
+    return solo_outcome(target, prompt_ids, max_new_tokens)[0]
+
+
+def solo_outcome(target, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], str, None]:
+    """What the request gets alone: its tokens and finish reason ("stop" where the model ends it first)."""
+    result = SpeculativeEngine(target, None).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+    return result.token_ids, result.finish_reason, None
 
 
 def drive(scheduler: Scheduler, steps: int | None = None) -> None:
@@ -140,8 +146,9 @@ def any_prefill(request, target, fast_target):
     return target, request.param == "chunked"
 
 
-def decoding_scheduler(model, chunked: bool, drafter: str, draft) -> tuple[Scheduler, object, list[int]]:
-    """A scheduler with one long request decoding for a few steps already (so its costs are measured)."""
+def decoding_scheduler(model, chunked: bool, drafter: str, draft) -> tuple[Scheduler, object, tuple]:
+    """A scheduler with one long request decoding for a few steps already (so its costs are measured), the request's
+    handle and what it gets alone (solo_outcome)."""
     scheduler = Scheduler(
         model, draft.model if drafter != "none" else None, drafter, k="auto",
         limits=SchedulerLimits(max_batch_size=4, max_context=256), chunked_prefill=chunked,
@@ -150,7 +157,7 @@ def decoding_scheduler(model, chunked: bool, drafter: str, draft) -> tuple[Sched
     handle = scheduler.submit(prompt, GenerationConfig(max_new_tokens=120))
     drive(scheduler, steps=6)
     assert scheduler.num_active == 1
-    return scheduler, handle, solo(model, prompt, 120)
+    return scheduler, handle, solo_outcome(model, prompt, 120)
 
 
 @pytest.mark.parametrize("drafter", ["none", "draft-model"])
@@ -162,9 +169,9 @@ def test_n_choices_and_a_one_token_prompt_while_another_request_decodes(any_pref
     one_token = scheduler.submit(prompt[:1], GenerationConfig(max_new_tokens=10))
     drive(scheduler)
     for handle in choices:
-        assert outcome(handle) == (solo(model, prompt, 12), "length", None)
-    assert outcome(one_token) == (solo(model, prompt[:1], 10), "length", None)
-    assert outcome(busy) == (busy_expected, "length", None)
+        assert outcome(handle) == solo_outcome(model, prompt, 12)
+    assert outcome(one_token) == solo_outcome(model, prompt[:1], 10)
+    assert outcome(busy) == busy_expected
 
 
 def test_n_choices_on_an_idle_server_after_its_costs_were_measured(any_prefill, draft):
@@ -175,7 +182,7 @@ def test_n_choices_on_an_idle_server_after_its_costs_were_measured(any_prefill, 
     prompt = model.encode(PROMPTS[2])
     choices = scheduler.submit_choices(prompt, [GenerationConfig(max_new_tokens=9)] * 2)
     drive(scheduler)
-    assert [outcome(h) for h in choices] == [(solo(model, prompt, 9), "length", None)] * 2
+    assert [outcome(h) for h in choices] == [solo_outcome(model, prompt, 9)] * 2
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
@@ -190,12 +197,12 @@ def test_a_prompt_wholly_in_the_prefix_cache(any_prefill, draft, blocks):
     drive(scheduler, steps=12)
     again = scheduler.submit(prompt, GenerationConfig(max_new_tokens=6))
     drive(scheduler)
-    want = (solo(model, prompt, 6), "length", None)
+    want = solo_outcome(model, prompt, 6)
     assert outcome(first) == want
     events = list(again.iter_events())
     assert ([t for e in events for t in e.token_ids], events[-1].finish_reason) == want[:2]
     assert events[-1].stats.cached_prompt_tokens == len(prompt) - 1
-    assert outcome(busy) == (busy_expected, "length", None)
+    assert outcome(busy) == busy_expected
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-7), dict(repetition_penalty=1e-40),
