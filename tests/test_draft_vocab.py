@@ -79,3 +79,16 @@ def test_the_composite_drafter_takes_a_small_head_too(cache, tiny_dir):
     target = load_model(tiny_dir, "float32")
     composite = make_drafter("composite", target, str(tiny_dir), "float32", "none", vocab=300)
     assert composite.drafters[1].model.lm_head.out_features < target.model.vocab_size
+
+
+@pytest.mark.parametrize("small_head_ms, chosen", [(8.0, 16384), (9.5, None)])
+def test_auto_keeps_a_smaller_head_only_where_it_pays_by_the_margin(cache, tiny_dir, monkeypatch, small_head_ms, chosen):
+    """Weighed costs (coverage 1 here): full 10 ms; 16,384 tokens 8 ms pays (more than 10% less), 9.5 ms does not."""
+    def fake_costs(models, rows):
+        return {name: {1: (small_head_ms if name == "16384" else 10.0) / 1000} for name in models}
+
+    monkeypatch.setattr(draft_vocab, "forward_costs", fake_costs)
+    monkeypatch.setattr(draft_vocab, "coverage", lambda *args: 1.0)
+    target, draft = load_model(tiny_dir, "float32"), load_model(tiny_dir, "float32")
+    assert draft_vocab.trim_head(draft, target, "auto")["size"] == chosen
+    assert (draft.model.output_token_ids is None) == (chosen is None)
