@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -104,9 +105,9 @@ def token_counts(tokenizer, max_bytes: int | None = None) -> tuple[torch.Tensor,
     for index, ids in enumerate(encoded):
         halves[index % 2] += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=size)[:size]
     path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(".tmp")
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")  # another process may count the same tokenizer meanwhile
     torch.save(halves, scratch)
-    scratch.replace(path)
+    scratch.replace(path)  # atomic: a reader sees no file or a whole one
     return halves[0], halves[1]
 
 
