@@ -259,7 +259,7 @@ def test_the_onednn_probe_agrees_with_an_int8_matmul_of_full_range_values():
 
 
 @pytest.mark.parametrize("weight_format", FAST_FORMATS)
-def test_a_quantized_head_restricted_from_its_dense_rows_equals_one_restricted_before_quantizing(tiny_dir, weight_format):
+def test_a_quantized_head_restricted_from_dense_rows_equals_one_restricted_before_quantizing(tiny_dir, weight_format):
     after = load_model(tiny_dir, "bfloat16", quantize=weight_format).model
     with pytest.raises(ValueError, match="pass dense_rows"):
         after.restrict_output_vocab(torch.tensor([1, 2]))

@@ -409,7 +409,8 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
         threads = total // most
     settings = ReplicaSettings(
         target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype, quantize=args.quantize,
-        draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab, k=args.k, k_max=args.k_max, max_batch_size=args.max_batch_size,
+        draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab, k=args.k, k_max=args.k_max,
+        max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting, max_context=args.max_context, prefix_cache_mb=args.prefix_cache_mb,
         chunked_prefill=args.chunked_prefill, max_request_bytes=args.max_request_bytes,
         served_model_name=args.served_model_name, threads=threads, replicas=replicas,

@@ -74,8 +74,8 @@ def corpus_files() -> list[Path]:
     """The standard library's pydoc topics, then its sources outside tests, in a fixed order."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     topics = stdlib / "pydoc_data" / "topics.py"
-    sources = sorted(p for p in stdlib.rglob("*.py") if not ({"test", "tests", "idle_test", "site-packages"} & set(p.parts))
-                     and p != topics)
+    skipped = {"test", "tests", "idle_test", "site-packages"}
+    sources = sorted(p for p in stdlib.rglob("*.py") if not skipped & set(p.parts) and p != topics)
     return ([topics] if topics.exists() else []) + sources
 
 
@@ -179,12 +179,13 @@ def trim_head(draft: LoadedModel, target: LoadedModel, requested: str | int = "a
             return {"size": None if best == "full" else int(best), "coverage": {str(s): c for s, c in shares.items()},
                     "seconds": seconds}
 
-        kind = (f"draft head among {','.join(map(str, CANDIDATE_SIZES))},full | weights {weights_identity(draft.directory)}"
-                f" | {model.weight_format}-{model.activations} {str(model.dtype).removeprefix('torch.')}"
-                f" | kernels {w4a8.build_digest()}")
+        kind = (f"draft head among {','.join(map(str, CANDIDATE_SIZES))},full"
+                f" | weights {weights_identity(draft.directory)} | {model.weight_format}-{model.activations}"
+                f" {str(model.dtype).removeprefix('torch.')} | kernels {w4a8.build_digest()}")
         chosen = remembered_choice(kind, measure)
     else:
-        chosen = {"size": int(requested), "coverage": {str(requested): coverage(train, held_out, int(requested), always)}}
+        size = int(requested)
+        chosen = {"size": size, "coverage": {str(size): coverage(train, held_out, size, always)}}
     if chosen["size"] is not None:
         model.restrict_output_vocab(ids_of(chosen["size"]), dense_head(model, draft.directory)[ids_of(chosen["size"])])
     return chosen

@@ -58,7 +58,7 @@ def forward_costs(
     if rounds < 1 or warmup < 0 or context < 1 or not rows or min(rows) < 1:
         raise ValueError(f"need rounds >= 1, warmup >= 0, context >= 1 and rows >= 1; got {rounds}, {warmup}, "
                          f"{context}, {rows}")
-    transformers = {name: m if hasattr(m, "forward") else m.model for name, m in models.items()}  # a LoadedModel: its .model
+    transformers = {name: m if hasattr(m, "forward") else m.model for name, m in models.items()}  # LoadedModel: .model
     caches = {name: _prompted_cache(model, context, max(rows)) for name, model in transformers.items()}
     inputs = {name: {n: _token_ids(n, m.vocab_size, offset=7) for n in rows} for name, m in transformers.items()}
     seconds: dict[tuple[str, int], list[float]] = {(name, n): [] for name in transformers for n in rows}
