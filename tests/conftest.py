@@ -160,6 +160,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=2, model_type="llama")
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A verispec cache of the test's own ($VERISPEC_CACHE): no remembered choice from other tests or runs; the
+    kernels built once are shared."""
+    from verispec.models.machine import cache_root
+
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    return tmp_path
+
+
 REPEATING_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 
 

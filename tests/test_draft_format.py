@@ -19,16 +19,6 @@ SLOW = 0.03  # seconds a "slow" format's forward sleeps on top of its real cost
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A cache of its own: no remembered choice from other tests or runs (the kernels built once are shared)."""
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
 def slow_dense(monkeypatch):
     """Dense drafts' forwards (not the target's) become SLOW seconds slower: a format that a remembered choice may
     name wrongly."""
@@ -57,7 +47,7 @@ def plant(best: str, seconds: dict[str, float] | None = None) -> None:
     path.write_text(json.dumps(table))
 
 
-def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cache, tiny_dir):
+def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own_cache, tiny_dir):
     draft = load_model(tiny_dir, "auto")
     choice = quantize_draft(draft, "auto", dtype_asked=False)
     (kind, kept), = draft_choices().items()
@@ -71,7 +61,7 @@ def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cac
     assert draft_choices() == {kind: kept}
 
 
-def test_a_wrong_remembered_format_is_timed_again_at_load(cache, tiny_dir, slow_dense):
+def test_a_wrong_remembered_format_is_timed_again_at_load(own_cache, tiny_dir, slow_dense):
     quantize_draft(load_model(tiny_dir, "auto"), "auto", dtype_asked=False)
     [measured] = draft_choices().values()
     assert measured["best"] != "none"  # dense is SLOW seconds slower than everything here
@@ -83,14 +73,14 @@ def test_a_wrong_remembered_format_is_timed_again_at_load(cache, tiny_dir, slow_
     assert corrected["best"] != "none" and corrected["seconds"] != measured["seconds"]  # timed again
 
 
-def test_a_remembered_choice_that_still_holds_is_kept(cache, tiny_dir, slow_dense):
+def test_a_remembered_choice_that_still_holds_is_kept(own_cache, tiny_dir, slow_dense):
     quantize_draft(load_model(tiny_dir, "auto"), "auto", dtype_asked=False)
     [measured] = draft_choices().values()
     quantize_draft(load_model(tiny_dir, "auto"), "auto", dtype_asked=False)
     assert draft_choices() == {next(iter(draft_choices())): measured}  # the check at load found nothing faster
 
 
-def test_a_slow_format_found_while_drafting_is_replaced_and_output_stays_plain(cache, tiny_dir, target, slow_dense):
+def test_a_slow_format_found_while_drafting_is_replaced_and_output_stays_plain(own_cache, tiny_dir, target, slow_dense):
     """A dense draft whose check holds remembered costs that make dense look fastest (as a choice made under
     other conditions would): only the forwards timed while drafting show it is not."""
     draft = load_model(tiny_dir, "auto")
@@ -113,7 +103,7 @@ def test_a_slow_format_found_while_drafting_is_replaced_and_output_stays_plain(c
     assert kept["best"] != "none" and kept["seconds"]["none"] > 1e-3  # ... after timing every format again
 
 
-def test_the_server_replaces_a_slow_draft_format_between_steps(cache, tiny_dir, target, slow_dense):
+def test_the_server_replaces_a_slow_draft_format_between_steps(own_cache, tiny_dir, target, slow_dense):
     draft = load_model(tiny_dir, "auto")
     quantize_draft(draft, "auto", dtype_asked=False)
     dense = load_model(tiny_dir, "auto")
@@ -134,7 +124,7 @@ def test_the_server_replaces_a_slow_draft_format_between_steps(cache, tiny_dir, 
     assert tokens == SpeculativeEngine(target).generate(prompt, GenerationConfig(max_new_tokens=96, k=0)).token_ids
 
 
-def test_explicit_formats_are_taken_as_asked(cache, tiny_dir):
+def test_explicit_formats_are_taken_as_asked(own_cache, tiny_dir):
     draft = load_model(tiny_dir, "float32")
     assert quantize_draft(draft, "none").weight_format == "none"
     assert draft_choices() == {} and not hasattr(draft.model, "format_check")

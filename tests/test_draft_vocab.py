@@ -8,21 +8,17 @@ import torch
 from verispec import GenerationConfig, SpeculativeEngine
 from verispec.drafters import draft_vocab, load_draft_model, make_drafter
 from verispec.models.loading import load_model
-from verispec.models.machine import cache_root, remembered_choices
+from verispec.models.machine import remembered_choices
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox", "class Point:"]
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A cache of its own and a small corpus (the kernels built once are shared)."""
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+def cache(own_cache, monkeypatch):
+    """A cache of the test's own and a small corpus."""
     monkeypatch.setattr(draft_vocab, "CORPUS_BYTES", 300_000)
-    return tmp_path
+    return own_cache
 
 
 def test_ids_are_ranked_by_count_then_id_and_always_keep_the_special_ones():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.drafters.draft_vocab import dense_head
 from verispec.models import linear as linear_module
 from verispec.models import w4a8
 from verispec.models.linear import (
@@ -264,8 +265,7 @@ def test_a_quantized_head_restricted_from_dense_rows_equals_one_restricted_befor
     with pytest.raises(ValueError, match="pass dense_rows"):
         after.restrict_output_vocab(torch.tensor([1, 2]))
     keep = torch.cat([torch.arange(0, 60, 2), torch.tensor([201, 333])])  # 32 rows: the 4-bit kernel's blocks tile them
-    tied = after.config.tie_word_embeddings
-    after.restrict_output_vocab(keep, after.embed[keep] if tied else dense_head(tiny_dir)[keep])
+    after.restrict_output_vocab(keep, dense_head(after, tiny_dir)[keep])
     before = load_model(tiny_dir, "bfloat16").model
     before.restrict_output_vocab(keep)
     choice = load_model(tiny_dir, "bfloat16", quantize=weight_format).format.choice
@@ -273,12 +273,6 @@ def test_a_quantized_head_restricted_from_dense_rows_equals_one_restricted_befor
     assert after.lm_head.format == before.lm_head.format != "none"
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(after.forward(ids, after.new_cache(1, 8)), before.forward(ids, before.new_cache(1, 8)))
-
-
-def dense_head(directory):
-    from safetensors.torch import load_file
-
-    return load_file(directory / "model.safetensors")["lm_head.weight"].to(torch.bfloat16)
 
 
 @needs_w8a8

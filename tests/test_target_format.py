@@ -23,16 +23,6 @@ PROMPT = "def add(a, b):"
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A cache of its own: no remembered choice from other tests or runs (the kernels built once are shared)."""
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
 def slow_dense(monkeypatch):
     """Dense targets' forwards (the probe's among them) become SLOW seconds slower: a format that a remembered
     choice may name wrongly."""
@@ -59,7 +49,7 @@ def plant(fmt: str) -> None:
     path.write_text(json.dumps(table))
 
 
-def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cache, tiny_dir, monkeypatch):
+def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own_cache, tiny_dir, monkeypatch):
     target = load_model(tiny_dir, "bfloat16", quantize="auto")
     (kind, kept), = target_choices().items()
     assert "| weights " in kind and "| kernels " in kind and "whole forwards" in kind
@@ -73,7 +63,7 @@ def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(cac
     assert resolve_target_format(tiny_dir, "bfloat16") == target.format.choice  # what doctor reports
 
 
-def test_a_wrong_remembered_target_format_is_timed_again_at_load(cache, tiny_dir, slow_dense):
+def test_a_wrong_remembered_target_format_is_timed_again_at_load(own_cache, tiny_dir, slow_dense):
     load_model(tiny_dir, "bfloat16", quantize="auto")
     [measured] = target_choices().values()
     assert measured["format"] != "none"  # dense is SLOW seconds slower than every other format here
@@ -84,14 +74,14 @@ def test_a_wrong_remembered_target_format_is_timed_again_at_load(cache, tiny_dir
     assert corrected["format"] != "none" and corrected["seconds"] != measured["seconds"]  # timed again
 
 
-def test_a_remembered_target_choice_that_still_holds_is_kept(cache, tiny_dir, slow_dense):
+def test_a_remembered_target_choice_that_still_holds_is_kept(own_cache, tiny_dir, slow_dense):
     load_model(tiny_dir, "bfloat16", quantize="auto")
     [measured] = target_choices().values()
     load_model(tiny_dir, "bfloat16", quantize="auto")
     assert list(target_choices().values()) == [measured]  # the check at load found nothing faster
 
 
-def test_exact_arithmetic_keeps_dense_and_times_nothing(cache, tiny_dir):
+def test_exact_arithmetic_keeps_dense_and_times_nothing(own_cache, tiny_dir):
     assert load_model(tiny_dir, "float32", quantize="auto").model.weight_format == "none"  # float32 asked: exact
     assert target_choices() == {}
 
@@ -121,7 +111,7 @@ def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tm
         assert by_rows == pytest.approx({n: (28 + n) / 1000 for n in target_format.PROBE_ROWS})
 
 
-def test_a_server_replaces_a_target_format_found_slow_while_serving_when_it_is_idle(cache, tiny_dir, slow_dense):
+def test_a_server_replaces_a_target_format_found_slow_while_serving_when_it_is_idle(own_cache, tiny_dir, slow_dense):
     """A dense target whose check holds estimates that made dense look fastest (as a choice made under other
     conditions would): only the plain forwards a server times show it is not. The request in flight finishes on
     the weights it started with; the target is loaded again, in the format timed anew, once no request is left."""

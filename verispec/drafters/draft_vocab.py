@@ -113,8 +113,7 @@ def token_counts(tokenizer, max_bytes: int | None = None) -> tuple[torch.Tensor,
 
 def ranked_ids(counts: torch.Tensor) -> torch.Tensor:
     """Token ids, most counted first; ids never counted after them, in id order."""
-    order = torch.argsort(-counts * (counts.numel() + 1) + torch.arange(counts.numel()))  # count desc, id asc
-    return order
+    return torch.argsort(-counts * (counts.numel() + 1) + torch.arange(counts.numel()))  # count desc, id asc
 
 
 def kept_ids(counts: torch.Tensor, size: int, always: list[int], vocab_size: int) -> torch.Tensor:
@@ -133,9 +132,7 @@ def coverage(train: torch.Tensor, held_out: torch.Tensor, size: int, always: lis
 
 def dense_head(model: Transformer, directory: Path) -> torch.Tensor:
     """(V, C) the dense rows of a model's output head: its embedding where they are tied, else read again."""
-    if model.config.tie_word_embeddings or "lm_head.weight" not in SafetensorsWeights(directory):
-        return model.embed
-    return SafetensorsWeights(directory).pop("lm_head.weight")
+    return model.embed if model.tied_head else SafetensorsWeights(directory).pop("lm_head.weight")
 
 
 def restricted(model: Transformer, ids: torch.Tensor, head: torch.Tensor) -> Transformer:
@@ -187,5 +184,6 @@ def trim_head(draft: LoadedModel, target: LoadedModel, requested: str | int = "a
         size = int(requested)
         chosen = {"size": size, "coverage": {str(size): coverage(train, held_out, size, always)}}
     if chosen["size"] is not None:
-        model.restrict_output_vocab(ids_of(chosen["size"]), dense_head(model, draft.directory)[ids_of(chosen["size"])])
+        ids = ids_of(chosen["size"])
+        model.restrict_output_vocab(ids, dense_head(model, draft.directory)[ids])
     return chosen

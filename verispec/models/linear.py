@@ -329,6 +329,11 @@ def w4a8_long_pass_kinds() -> tuple[str, ...]:
     return W4A8_LONG_PASSES if w8a8_available() else ("kernel",)
 
 
+def auto_keeps_dense(dtype: torch.dtype, dtype_asked: bool) -> bool:
+    """`auto` keeps a float32 or float16 that was asked for dense: asking for them asks for their exact arithmetic."""
+    return dtype != torch.bfloat16 and dtype_asked
+
+
 def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) -> FormatChoice:
     """Resolve `--quantize` for a target without loading it: "auto" times w4a8, w8a8 (both activation kinds) and
     dense on linears alone. load_model's "auto" times whole forwards of the model instead (target_format) and
@@ -346,7 +351,7 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
         raise ValueError(f"--quantize {requested!r} is not one of auto, {', '.join(FORMATS)}")
     if requested in ("none", "int8", "int4"):
         return FormatChoice(requested)
-    if requested == "auto" and dtype != torch.bfloat16 and dtype_asked:
+    if requested == "auto" and auto_keeps_dense(dtype, dtype_asked):
         return FormatChoice("none")
     if requested == "w8a8" and not onednn_int8_runs():
         raise ValueError("--quantize w8a8 needs oneDNN (an x86-64 CPU build of torch); use --quantize none")

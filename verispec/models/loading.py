@@ -24,7 +24,7 @@ from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_
 from verispec.models.config import ModelConfig
 from verispec.models.machine import CACHE_MARKER, cache_root, cpu_supports_bfloat16
 from verispec.models import target_format, w4a8
-from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, choose_format
+from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, auto_keeps_dense, choose_format
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -367,7 +367,7 @@ def resolve_target_format(spec: str | Path, dtype: str | torch.dtype = "auto", p
 
 def _times_whole_forwards(quantize: str, dtype: torch.dtype, dtype_asked: bool) -> bool:
     """True where `auto` chooses among formats (see choose_format): then by whole forwards (target_format)."""
-    return quantize == "auto" and (dtype == torch.bfloat16 or not dtype_asked)
+    return quantize == "auto" and not auto_keeps_dense(dtype, dtype_asked)
 
 
 def _whole_forward_choice(directory: Path, config: ModelConfig, dtype: torch.dtype) -> tuple[dict, bool, FormatChoice]:

@@ -217,7 +217,7 @@ class Transformer:
         # Per-row attention makes w8a8 batch-invariant; a draft model, whose numbers only steer
         # acceptance, turns it off for one batched attention call.
         self.invariant_attention = True
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.tied_head = config.tie_word_embeddings or "lm_head.weight" not in weights  # the head is the embedding
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(dtype)
@@ -233,7 +233,7 @@ class Transformer:
             if on_layer is not None:
                 on_layer(i)
         self.final_norm = take("model.norm.weight")
-        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))  # (V, C)
+        self.lm_head = Linear(self.embed if self.tied_head else take("lm_head.weight"))  # (V, C)
         self.lm_head.quantize(weight_format, activations)
         self.weight_format = weight_format
         weights.clear()  # anything left (an untied lm_head we did not use) is not needed
