@@ -1,4 +1,4 @@
-"""A decoder-only transformer (Llama / Qwen2 / Mistral) written around explicit positions.
+"""A decoder-only transformer (the architectures of verispec.models.config) written around explicit positions.
 
 Every forward takes the new tokens of each sequence, their positions, and an optional mask over
 the new tokens (for token trees); it attends to the committed prefix in the KV cache plus the new
@@ -105,18 +105,65 @@ def kernels_available() -> bool:
     return True
 
 
+def _windowed(row_keys: list[list[int | torch.Tensor]], window: int) -> list[list[int | slice | torch.Tensor]]:
+    """row_keys (see _visible_slots) for a sliding-window layer: a query that sees slots 0 .. n-1 of a chain
+    sees the last `window` of them, slots n - window .. n - 1 (a slice), as transformers' sliding mask."""
+    rows = []
+    for per_token in row_keys:
+        if any(not isinstance(seen, int) for seen in per_token):
+            raise ValueError("token trees do not run on models with sliding-window layers")
+        rows.append([slice(seen - window, seen) if seen > window else seen for seen in per_token])
+    return rows
+
+
+def _softcapped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, softcap: float
+) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T / (sqrt(D) cap)), over the visible keys) v, in float32 (Gemma 2; no fused kernel does it).
+
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D); mask: (B, 1, T, S) True = may attend, or None.
+    """
+    q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)  # (B, H, T, D)
+
+
+def _masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, softcap: float | None
+) -> torch.Tensor:
+    """One attention call over (B, H, T, D) queries and (B, Hkv, S, D) keys; mask (B, 1, T, S) or None = all."""
+    if softcap is not None:
+        return _softcapped_attention(q, keys, values, mask, softcap)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
 def _attention_per_row(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_keys: list[list[int | torch.Tensor]]
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row_keys: list[list[int | slice | torch.Tensor]],
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention one query at a time over exactly the keys it sees, in slot order.
 
-    q: (B, H, T, D); keys, values: (B, Hkv, S, D). A token verified at position p gets the very
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D); row_keys[b][t]: a slot count n (slots 0 .. n-1), a slice
+    of slots (a sliding window) or slot indices (a tree node). A token verified at position p gets the very
     computation (one query, keys 0 .. p) that plain decoding makes for it, so its result is
     bit-identical; a batched or masked call would reorder the sums with the number of rows.
     verispec's attention kernel does all queries of a pass in one call, each alone; without it,
-    one float32 torch call per query.
+    one float32 torch call per query. Soft-capped scores (Gemma 2) take a float32 torch computation per query.
     """
-    if attention_kernel_runs(q.shape[-1], q.dtype):
+    if softcap is not None:
+        q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
+
+        def attend_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _softcapped_attention(query, k, v, None, softcap)  # (1, H, 1, D)
+    elif attention_kernel_runs(q.shape[-1], q.dtype):
         if all(isinstance(seen, int) for per_token in row_keys for seen in per_token):  # chains: one call
             return torch.ops.verispec.attend(q, keys, values, torch.tensor(row_keys, dtype=torch.long))  # (B, H, T, D)
 
@@ -137,7 +184,7 @@ def _attention_per_row(
         for t, seen in enumerate(per_token):
             if isinstance(seen, int):
                 k, v = row_k.narrow(2, 0, seen), row_v.narrow(2, 0, seen)  # (1, Hkv, n, D)
-            else:
+            else:  # a window's slice of slots (a view) or a tree node's slot indices (gathered)
                 k, v = row_k[:, :, seen], row_v[:, :, seen]  # (1, Hkv, n, D)
             tokens.append(attend_one(row_q.narrow(2, t, 1), k, v))  # (1, H, 1, D)
         rows.append(torch.cat(tokens, dim=2))  # (1, H, T, D)
@@ -168,24 +215,88 @@ def _sees_all(seen: int | torch.Tensor, keys: torch.Tensor) -> bool:
     return isinstance(seen, int) and seen == keys.shape[2]
 
 
+# The MLP's gate activations (config.ACTIVATIONS), as transformers computes them.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RotaryTable:
+    """cos and signed sin (see apply_rotary) of every position up to a length that grows on demand, (L, R) each.
+
+    R = the rotary dims of a head (all of them, or Phi-4-mini's leading 3/4); the factor of scaled variants
+    (longrope, yarn) is applied to both, as transformers does.
+    """
+
+    def __init__(self, config: ModelConfig, kind: str, dtype: torch.dtype) -> None:
+        dim = config.rotary_dim or config.head_dim
+        if config.ropes:
+            rope = config.rope_of(kind)
+            self.inv_freq, self.scaling = torch.tensor(rope.inv_freq, dtype=torch.float64), rope.attention_scaling
+        else:
+            self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).double() / dim))  # (R/2,)
+            self.scaling = 1.0
+        self.dtype = dtype
+        self.cos = torch.empty(0)  # (L, R) in the compute dtype
+        self.signed_sin = torch.empty(0)  # (L, R) sin, first half negated
+        self.length = 0
+
+    def grow(self, needed: int) -> None:
+        """Make the tables cover positions 0 .. needed - 1."""
+        if needed <= self.length:
+            return
+        length = max(needed, 2 * self.length, 1024)
+        freqs = torch.outer(torch.arange(length).double(), self.inv_freq)  # (L, R/2)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (L, R)
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        sin = sin.to(self.dtype)  # (L, R)
+        half = sin.shape[-1] // 2
+        self.cos = cos.to(self.dtype)  # (L, R)
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (L, R)
+        self.length = length
+
+
+def norm_weight(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The weight rms_norm takes for a checkpoint's norm weight: Gemma's norms scale by (1 + w)."""
+    return (weight.float() + 1).to(weight.dtype) if config.norm_plus_one else weight
+
+
 class Layer:
-    def __init__(self, take, prefix: str, config: ModelConfig) -> None:
+    def __init__(self, take, prefix: str, config: ModelConfig, index: int) -> None:
         """take(name) hands over one weight tensor (and forgets it, so quantizing frees the dense copy)."""
 
         def w(name: str) -> torch.Tensor:
             return take(prefix + name)
+
+        def norm(name: str) -> torch.Tensor:
+            return norm_weight(w(name), config)
 
         attn = "self_attn."
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
         # q, k and v share one matmul; so do the gate and up projections of the MLP.
-        self.qkv = Linear(torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"]), qkv_bias)
+        if config.fused_projections:
+            self.qkv = Linear(w(attn + "qkv_proj.weight"), qkv_bias)
+            self.gate_up = Linear(w("mlp.gate_up_proj.weight"))
+        else:
+            self.qkv = Linear(torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"]), qkv_bias)
+            self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.out = Linear(w(attn + "o_proj.weight"))
-        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.down = Linear(w("mlp.down_proj.weight"))
-        self.attn_norm = w("input_layernorm.weight")
-        self.mlp_norm = w("post_attention_layernorm.weight")
+        self.attn_norm = norm("input_layernorm.weight")
+        # Gemma 2/3 norm the attention output with post_attention_layernorm and the MLP input with pre_feedforward.
+        self.post_attn_norm = norm("post_attention_layernorm.weight") if config.sandwich_norms else None
+        self.mlp_norm = norm("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")
+        self.post_mlp_norm = norm("post_feedforward_layernorm.weight") if config.sandwich_norms else None
+        self.q_norm = norm(attn + "q_norm.weight") if config.qk_norm else None  # (D,)
+        self.k_norm = norm(attn + "k_norm.weight") if config.qk_norm else None  # (D,)
+        self.window = config.window(index)  # positions a query sees, itself included; None = all
+        self.rope_kind = config.rope_kind(index)  # which rotary tables; None = no rotary embedding
 
     @property
     def linears(self) -> list[Linear]:
@@ -226,23 +337,22 @@ class Transformer:
         self._check_format(weight_format)
         self.layers = []
         for i in range(config.num_layers):
-            layer = Layer(take, f"model.layers.{i}.", config)
+            layer = Layer(take, f"model.layers.{i}.", config, i)
             for linear in layer.linears:
                 linear.quantize(weight_format, activations)
             self.layers.append(layer)
             if on_layer is not None:
                 on_layer(i)
-        self.final_norm = take("model.norm.weight")
+        self.final_norm = norm_weight(take("model.norm.weight"), config)
         self.lm_head = Linear(self.embed if self.tied_head else take("lm_head.weight"))  # (V, C)
         self.lm_head.quantize(weight_format, activations)
         self.weight_format = weight_format
         weights.clear()  # anything left (an untied lm_head we did not use) is not needed
         self.output_token_ids: torch.Tensor | None = None  # (V',) when the head covers a subset
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).double() / config.head_dim))
-        self._inv_freq = inv_freq  # (D/2,)
-        self._rope_cos = torch.empty(0)  # (L, D) cos of each position's angles, in the compute dtype
-        self._rope_signed_sin = torch.empty(0)  # (L, D) sin, first half negated (see apply_rotary)
-        self._rope_len = 0
+        # One rotary table per kind of layer (Gemma 3: sliding and full layers rotate at different frequencies).
+        kinds = {layer.rope_kind for layer in self.layers} - {None}
+        self._rotary = {kind: RotaryTable(config, kind, dtype) for kind in sorted(kinds)}
+        self._windows = {layer.window for layer in self.layers} - {None}  # the sliding layers' windows
 
     @property
     def vocab_size(self) -> int:
@@ -291,43 +401,34 @@ class Transformer:
     def _linears(self) -> list[Linear]:
         return [m for layer in self.layers for m in layer.linears] + [self.lm_head]
 
-    def _rope(self, plan: WritePlan, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (see apply_rotary) for each new token, (B or 1, T, 1, D) each.
+    def _rope(self, plan: WritePlan, positions: torch.Tensor | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and signed sin (see apply_rotary) for each new token, (B or 1, T, 1, R) each, per rotary kind.
 
         positions: (B, T), or None for the default lengths + arange(T): then rows of one length
         take a slice of the tables instead of a gather.
         """
-        if positions is None and plan.uniform:
-            self._grow_rope(plan.start + plan.num_new)
-            cos = self._rope_cos.narrow(0, plan.start, plan.num_new)  # (T, D)
-            sin = self._rope_signed_sin.narrow(0, plan.start, plan.num_new)  # (T, D)
-            return cos[None, :, None], sin[None, :, None]  # (1, T, 1, D) each
-        if positions is None:
-            positions = plan.slots  # (B, T): lengths + arange(T)
-            self._grow_rope(plan.end)
-        else:
-            self._grow_rope(int(positions.max()) + 1)
-        return self._rope_cos[positions][:, :, None], self._rope_signed_sin[positions][:, :, None]  # (B, T, 1, D)
-
-    def _grow_rope(self, needed: int) -> None:
-        """Make the rotary tables cover positions 0 .. needed - 1."""
-        if needed <= self._rope_len:
-            return
-        length = max(needed, 2 * self._rope_len, 1024)
-        freqs = torch.outer(torch.arange(length).double(), self._inv_freq)  # (L, D/2)
-        angles = torch.cat([freqs, freqs], dim=-1)  # (L, D)
-        sin = angles.sin().to(self.dtype)  # (L, D)
-        half = sin.shape[-1] // 2
-        self._rope_cos = angles.cos().to(self.dtype)  # (L, D)
-        self._rope_signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (L, D)
-        self._rope_len = length
+        tables = {}
+        for kind, table in self._rotary.items():
+            if positions is None and plan.uniform:
+                table.grow(plan.start + plan.num_new)
+                cos = table.cos.narrow(0, plan.start, plan.num_new)  # (T, R)
+                sin = table.signed_sin.narrow(0, plan.start, plan.num_new)  # (T, R)
+                tables[kind] = cos[None, :, None], sin[None, :, None]  # (1, T, 1, R) each
+                continue
+            where = plan.slots if positions is None else positions  # (B, T): default lengths + arange(T)
+            table.grow(plan.end if positions is None else int(positions.max()) + 1)
+            tables[kind] = table.cos[where][:, :, None], table.signed_sin[where][:, :, None]  # (B, T, 1, R)
+        return tables
 
     def _attention_mask(
-        self, cache: KVCache, plan: WritePlan, tree_mask: torch.Tensor | None
+        self, cache: KVCache, plan: WritePlan, tree_mask: torch.Tensor | None, window: int | None = None
     ) -> torch.Tensor | None:
-        """Boolean (B, 1, T, S) mask, True = may attend; None when plain causal needs no mask."""
+        """Boolean (B, 1, T, S) mask, True = may attend; None when plain causal needs no mask.
+
+        window: a sliding layer's; a chain's query then sees the last `window` positions, itself included.
+        """
         num_new = plan.num_new
-        if tree_mask is None and num_new == 1 and plan.uniform:
+        if tree_mask is None and num_new == 1 and plan.uniform and window is None:
             return None
         lengths = cache.lengths  # (B,)
         slots = torch.arange(plan.end)  # (S,)
@@ -341,6 +442,8 @@ class Transformer:
                 tree_mask, 2, new_index.clamp(0, num_new - 1)[:, None, :].expand(-1, num_new, -1)
             )  # (B, T, S)
             visible = (new_index[:, None, :] < 0) | (in_new[:, None, :] & gathered)
+        if window is not None:
+            visible = visible & (new_index[:, None, :] > query[None, :, None] - window)
         return visible[:, None]
 
     def prefill(self, token_ids: list[int], cache: KVCache, max_tokens: int | None = None) -> int:
@@ -385,49 +488,96 @@ class Transformer:
         c = self.config
         batch, num_new = input_ids.shape
         plan = cache.plan_write(num_new)  # where the new keys go, shared by every layer
-        cos, sin = self._rope(plan, positions)  # (B or 1, T, 1, D) each
+        rotary = self._rope(plan, positions)  # kind -> cos, sin, (B or 1, T, 1, R) each
         # One query at a time: what batch invariance needs, and where the kernel runs, the fastest way for
         # any model to attend over a few new tokens (a tree of a model that need not be invariant takes one masked call).
         per_query = self.batch_invariant or (tree_mask is None and attention_kernel_runs(c.head_dim, self.dtype))
         per_query = per_query and num_new <= INVARIANT_ATTENTION_MAX_ROWS
-        mask = None  # (B, 1, T, S): batched attention, and the visible slots of a tree
+        windows = self._windows
+        if windows and tree_mask is not None:
+            raise ValueError("token trees do not run on models with sliding-window layers")
+        masks = {None: None}  # window -> (B, 1, T, S): batched attention, and the visible slots of a tree
         if tree_mask is not None or not per_query:
-            mask = self._attention_mask(cache, plan, tree_mask)
-        row_keys = _visible_slots(plan, mask) if per_query else None  # for each (b, t), the slots it sees
+            masks = {window: self._attention_mask(cache, plan, tree_mask, window) for window in windows | {None}}
+        row_keys = None  # window -> for each (b, t), the slots it sees
+        if per_query:
+            full = _visible_slots(plan, masks[None])
+            row_keys = {window: _windowed(full, window) for window in windows} | {None: full}
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         qk_size = q_size + kv_size
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:  # (B, T, (H + 2 Hkv) D) -> (B, T, H D)
+            layer = self.layers[index]
             qk = qkv.narrow(-1, 0, qk_size).view(batch, num_new, heads + kv_heads, c.head_dim)  # (B, T, H + Hkv, D)
-            qk = apply_rotary(qk, cos, sin)  # q and k take their rotary embedding in one go
-            q = qk.narrow(2, 0, heads).transpose(1, 2)  # (B, H, T, D)
+            qk = self._position_qk(layer, qk, rotary)  # q and k take their rotary embedding in one go
+            q = self._scale_queries(qk.narrow(2, 0, heads).transpose(1, 2))  # (B, H, T, D)
             k = qk.narrow(2, heads, kv_heads).transpose(1, 2)  # (B, Hkv, T, D)
             v = qkv.narrow(-1, qk_size, kv_size).view(batch, num_new, kv_heads, c.head_dim)  # (B, T, Hkv, D)
             v = v.transpose(1, 2)  # (B, Hkv, T, D)
             keys, values = cache.write(index, k, v, plan)  # (B, Hkv, S, D)
             if row_keys is not None:
-                attn = _attention_per_row(q, keys, values, row_keys).to(self.dtype)  # (B, H, T, D)
+                attn = _attention_per_row(q, keys, values, row_keys[layer.window], c.attn_softcap).to(self.dtype)
             else:  # in float32: see ATTENTION_DTYPE
                 q, keys, values = (t.to(ATTENTION_DTYPE) for t in (q, keys, values))
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-                attn = attn.to(self.dtype)
+                attn = _masked_attention(q, keys, values, masks[layer.window], c.attn_softcap).to(self.dtype)
             return attn.transpose(1, 2).reshape(batch, num_new, q_size)
 
-        x = self._layers(self.embed[input_ids], attend)  # (B, T, C)
+        x = self._layers(self._embed(input_ids), attend)  # (B, T, C)
         if last_only:
             x = x[:, -1:]
-        x = rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return self.lm_head(x).float()  # (B, T, V')
+        return self._logits(x)  # (B, T, V')
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., C) of token ids (...,); Gemma scales them by sqrt(C), rounded to the compute dtype."""
+        x = self.embed[token_ids]
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=self.dtype)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits (..., V') of the last layer's hidden states (..., C); Gemma 2 soft-caps them."""
+        logits = self.lm_head(rms_norm(x, self.final_norm, self.config.rms_norm_eps)).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+
+    def _position_qk(self, layer: Layer, qk: torch.Tensor, rotary: dict) -> torch.Tensor:
+        """q and k heads (..., H + Hkv, D), normed per head where the model does (Qwen3, Gemma 3) and rotated.
+
+        rotary: kind -> (cos, signed sin) broadcasting to (..., 1, R); R < D rotates the leading R dims only.
+        """
+        c = self.config
+        if layer.q_norm is not None:
+            q, k = qk.narrow(-2, 0, c.num_heads), qk.narrow(-2, c.num_heads, c.num_kv_heads)
+            qk = torch.cat([rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)], -2)
+        if layer.rope_kind is None:
+            return qk
+        cos, sin = rotary[layer.rope_kind]
+        if c.rotary_dim is None:
+            return apply_rotary(qk, cos, sin)
+        return torch.cat([apply_rotary(qk[..., : c.rotary_dim], cos, sin), qk[..., c.rotary_dim :]], dim=-1)
+
+    def _scale_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q (..., D) so that attention's head_dim ** -0.5 makes the model's own softmax scale (Gemma's)."""
+        if self.config.attention_scale is None:
+            return q
+        return q * (self.config.attention_scale * self.config.head_dim**0.5)
 
     def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The decoder layers over hidden states x (..., C); attend(layer index, qkv (..., (H + 2 Hkv) D))
         stores the new keys and values and returns the attention output (..., H D)."""
         eps = self.config.rms_norm_eps
+        activation = ACTIVATIONS[self.config.hidden_act]
         for index, layer in enumerate(self.layers):
-            x = x + layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
+            attended = layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))  # (..., C)
+            if layer.post_attn_norm is not None:
+                attended = rms_norm(attended, layer.post_attn_norm, eps)
+            x = x + attended
             gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # (..., I) each
-            x = x + layer.down(F.silu(gate).mul_(up))
+            mixed = layer.down(activation(gate).mul_(up))  # (..., C)
+            if layer.post_mlp_norm is not None:
+                mixed = rms_norm(mixed, layer.post_mlp_norm, eps)
+            x = x + mixed
         return x
 
     @torch.inference_mode()
@@ -458,24 +608,29 @@ class Transformer:
         starts = list(itertools.accumulate(counts, initial=0))  # row b's tokens are [starts[b], starts[b + 1])
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (N,)
         slots = torch.cat([torch.arange(n, dtype=torch.long) + length for length, n in zip(lengths, counts)])  # (N,)
-        self._grow_rope(end)
-        cos, sin = self._rope_cos[slots][:, None], self._rope_signed_sin[slots][:, None]  # (N, 1, D) each
+        rotary = {}  # kind -> cos, sin of each token's slot, (N, 1, R) each
+        for kind, table in self._rotary.items():
+            table.grow(end)
+            rotary[kind] = table.cos[slots][:, None], table.signed_sin[slots][:, None]
+        windows = self._windows
         groups = []  # (first row, last row, width, where each of their tokens sits in (rows * width) padded queries)
         for first, last in _attention_groups(counts):
             width = max(counts[first:last])
             padded_index = torch.cat([torch.arange(counts[b]) + (b - first) * width for b in range(first, last)])
             row_keys = [[lengths[b] + t + 1 for t in range(counts[b])] + [1] * (width - counts[b]) for b in range(first, last)]
+            row_keys = {window: _windowed(row_keys, window) for window in windows} | {None: row_keys}
             groups.append((first, last, width, padded_index, row_keys))
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         qk_size = q_size + kv_size
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:  # (N, (H + 2 Hkv) D) -> (N, H D)
-            qk = apply_rotary(qkv.narrow(-1, 0, qk_size).view(total, heads + kv_heads, c.head_dim), cos, sin)
+            layer = self.layers[index]
+            qk = self._position_qk(layer, qkv.narrow(-1, 0, qk_size).view(total, heads + kv_heads, c.head_dim), rotary)
             keys, values = cache.keys[index], cache.values[index]  # (B, Hkv, capacity, D)
             keys[rows, :, slots] = qk.narrow(1, heads, kv_heads)  # (N, Hkv, D) into each token's slot
             values[rows, :, slots] = qkv.narrow(-1, qk_size, kv_size).view(total, kv_heads, c.head_dim)
-            q = qk.narrow(1, 0, heads)  # (N, H, D)
+            q = self._scale_queries(qk.narrow(1, 0, heads))  # (N, H, D)
             out = torch.empty(total, heads, c.head_dim, dtype=self.dtype)  # (N, H, D)
             for first, last, width, padded_index, row_keys in groups:  # rows [first, last), padded to the longest
                 tokens = slice(starts[first], starts[last])
@@ -487,17 +642,17 @@ class Transformer:
                 span = max(lengths[b] + counts[b] for b in range(first, last))
                 attn = _attention_per_row(
                     rows_q.view(last - first, width, heads, c.head_dim).transpose(1, 2),
-                    keys[first:last, :, :span], values[first:last, :, :span], row_keys,
+                    keys[first:last, :, :span], values[first:last, :, :span], row_keys[layer.window], c.attn_softcap,
                 ).to(self.dtype)  # (b, H, T, D)
                 out[tokens] = attn.transpose(1, 2).reshape(-1, heads, c.head_dim)[padded_index]
             return out.view(total, q_size)
 
-        x = self._layers(self.embed[torch.tensor([t for tokens in row_tokens for t in tokens])], attend)  # (N, C)
+        x = self._layers(self._embed(torch.tensor([t for tokens in row_tokens for t in tokens])), attend)  # (N, C)
         wanted = [b for b in range(len(counts)) if with_logits[b] and counts[b]]
         results: list[torch.Tensor | None] = [None] * len(counts)
         if wanted:
             index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in wanted])
-            logits = self.lm_head(rms_norm(x[index], self.final_norm, c.rms_norm_eps)).float()  # (N', V')
+            logits = self._logits(x[index])  # (N', V')
             for b, row_logits in zip(wanted, logits.split([counts[b] for b in wanted])):
                 results[b] = row_logits
         return results
