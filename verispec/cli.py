@@ -10,13 +10,19 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters import DRAFTERS, drafter_for
+from verispec.drafters import DRAFTERS
+from verispec.drafters.pairing import cross_tokenizer_note, drafts_across_tokenizers, pair_drafter
 from verispec.drafters.draft_vocab import DRAFT_VOCAB_HELP, argparse_vocab
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 from verispec.serving.guard import ACCESS_LOG_FORMATS, served_model_name
 
 EXIT_USAGE = 2
+TARGET_HELP = "catalog name, .gguf file, Hugging Face directory, or hub id org/name[@revision]"
+DRAFT_HELP = (
+    "draft model (as --target), or 'none' for plain decoding; default: a catalog target's own draft, for any other "
+    "target none (the best drafter that needs no model runs)"
+)
 
 
 def _positive_int(text: str) -> int:
@@ -76,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    gen.add_argument("--draft", default=None, help=DRAFT_HELP)
     gen.add_argument(
         "--drafter", default=None, choices=DRAFTERS,
         help="how drafts are proposed: lookup with a draft-model fallback (composite, the default: fastest in the "
@@ -114,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = SchedulerLimits()
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
-    serve.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
-    serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for plain decoding")
+    serve.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    serve.add_argument("--draft", default=None, help=DRAFT_HELP)
     serve.add_argument(
         "--drafter", default=None, choices=SERVED_DRAFTERS,
         help="how drafts are proposed: composite (the default: each request's suffix index where its text recurs, "
@@ -207,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="what this machine is, what each weight format costs here, and what speculation should gain "
         "(run it first when decoding is slower than expected, and paste it into bug reports)",
     )
-    doctor.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF directory")
-    doctor.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model: catalog name, .gguf file or HF directory")
+    doctor.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    doctor.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, as --target")
     doctor.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
                         help="interleaved timing rounds, after two warm-up rounds; medians are reported")
     doctor.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT,
@@ -216,14 +222,21 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     doctor.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
-    models = commands.add_parser("models", help="list the packaged models and whether they are installed and cached")
+    models = commands.add_parser(
+        "models", help="list the catalog models (installed? cached?), the Hugging Face cache's causal LMs, the weight "
+        "formats that run here and what each cache takes on disk",
+    )
     models.add_argument("names", nargs="*", metavar="NAME", help="with --paths: only these catalog models")
     models.add_argument(
         "--paths", action="store_true",
         help="assemble (if needed) and print each installed model's GGUF file and converted safetensors "
         "directory, one 'NAME GGUF DIR' line each, for other engines (llama.cpp, vLLM) to load",
     )
-    models.add_argument("--json", action="store_true", help="with --paths: print a JSON object instead")
+    models.add_argument(
+        "--rm", metavar="NAME", default=None,
+        help="free a catalog model's verispec cache, or a hub model (org/name) from the Hugging Face cache",
+    )
+    models.add_argument("--json", action="store_true", help="print a JSON object instead")
     return parser
 
 
@@ -250,25 +263,78 @@ def cmd_model_paths(names: list[str], as_json: bool) -> int:
     return 0
 
 
-def cmd_models() -> int:
+def cmd_models(as_json: bool) -> int:
+    """The catalog, the Hugging Face cache's causal LMs and the formats that run here: tables, or one JSON object."""
     from rich.console import Console
     from rich.table import Table
 
-    from verispec.models.loading import cache_root, is_cached
+    from verispec.doctor import format_availability
+    from verispec.models.hub import cached_hub_models, hub_cache_dir
+    from verispec.models.inventory import catalog_models, why_verispec_cannot_run
+    from verispec.models.loading import cache_root, resolve_dtype
 
-    table = Table(title=f"verispec models (cache: {cache_root()})")
+    catalog, hub = catalog_models(), cached_hub_models()
+    formats = format_availability(resolve_dtype("auto"))
+    if as_json:
+        print(json.dumps({
+            "catalog": [{**vars(model), "cache": str(cache_root() / model.name)} for model in catalog],
+            "hub": [{**vars(model), "snapshot": str(model.snapshot), "why_not": why_verispec_cannot_run(model.snapshot)}
+                    for model in hub],
+            "formats": {name: {"runs": f["runs"], "why_not": f["why_not"]} for name, f in formats.items()},
+            "caches": {"verispec": str(cache_root()), "hugging_face": str(hub_cache_dir())},
+        }, indent=1))
+        return 0
+    console = Console()
+    table = Table(title=f"catalog models (verispec cache: {cache_root()})")
     table.add_column("name", no_wrap=True)
-    for column in ("description", "installed", "cached", "install with"):
+    for column in ("description", "installed", "cached", "on disk", "install with"):
         table.add_column(column, overflow="fold")
-    for entry in CATALOG.values():
-        installed = is_installed(entry)
+    for model in catalog:
         table.add_row(
-            entry.name, entry.description, "yes" if installed else "no",
-            "yes" if is_cached(entry.name) else "no", "" if installed else entry.pip_install,
+            model.name, model.description, "yes" if model.installed else "no", "yes" if model.cached else "no",
+            _size(model.cache_bytes), "" if model.installed else model.pip_install,
         )
-    Console().print(table)
+    console.print(table)
+    table = Table(title=f"Hugging Face models, causal LMs (cache: {hub_cache_dir()})")
+    for column in ("id", "architecture", "revisions", "on disk", "verispec runs it"):
+        table.add_column(column, overflow="fold")
+    for model in hub:
+        why_not = why_verispec_cannot_run(model.snapshot)
+        table.add_row(model.repo_id, model.architecture, ", ".join(model.refs), _size(model.size_bytes),
+                      "yes" if why_not is None else f"no: {why_not}")
+    if not hub:
+        table.add_row("(none: `--target org/name` downloads one)", "", "", "", "")
+    console.print(table)
+    runs = [name for name, f in formats.items() if f["runs"]]
+    print(f"weight formats that run here: {', '.join(runs)}"
+          + "".join(f"; not {name}: {f['why_not']}" for name, f in formats.items() if not f["runs"]))
     print("--quantize auto: a target's format is timed at its first load on this machine (whole forwards in each "
           "format); `verispec doctor` shows the choice in force and what each format costs")
+    print("`verispec models --rm NAME` frees a catalog model's cache or a hub model (org/name)")
+    return 0
+
+
+def _size(num_bytes: int) -> str:
+    """1536 -> "1.5 KiB"; 0 -> "-"."""
+    if num_bytes == 0:
+        return "-"
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            break
+        size /= 1024
+    return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def cmd_remove_model(name: str) -> int:
+    """`verispec models --rm NAME`: delete the model's cache and say what that freed."""
+    from verispec.models.inventory import remove_model
+
+    freed = remove_model(name)
+    if not freed.paths:
+        print(f"{name}: nothing in the {freed.cache} cache to free")
+    else:
+        print(f"{name}: freed {_size(freed.bytes)} from the {freed.cache} cache ({', '.join(map(str, freed.paths))})")
     return 0
 
 
@@ -315,18 +381,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             schema = json.loads(args.json_schema.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"--json-schema {args.json_schema}: cannot read a JSON schema there ({error})") from None
-    args.drafter = drafter_for(args.drafter, args.draft)
+    drafter_named = args.drafter is not None
+    pairing = pair_drafter(args.target, args.draft, args.drafter)
+    args.drafter, args.draft = pairing.drafter, pairing.draft
     needs_model = args.drafter in ("draft-model", "cross-tokenizer", "composite")
-    plain = args.drafter == "none" or args.k == 0 or (needs_model and args.draft.lower() == "none")
+    plain = args.drafter == "none" or args.k == 0 or (needs_model and args.draft is None)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
         stop_strings=tuple(args.stop), k=0 if plain else args.k, json_schema=schema,
     )
     progress = not args.json and sys.stderr.isatty()
     target = load_model(args.target, args.dtype, progress=progress, quantize=args.quantize)
+    _note(pairing.note)
     drafter = None if plain else make_drafter(
         args.drafter, target, args.draft, args.dtype, args.draft_quantize, args.corpus, progress, args.draft_vocab
     )
+    if not drafter_named and drafts_across_tokenizers(drafter):
+        _note(cross_tokenizer_note(args.draft, args.target, args.drafter))
     if args.chat:
         prompt = target.apply_chat_template(prompt)
     stream = SpeculativeEngine(target, drafter).stream(prompt, config)
@@ -355,6 +426,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _note(text: str | None) -> None:
+    """A line on stderr where a command chose for the user (see pairing); nothing for None."""
+    if text:
+        print(f"verispec: note: {text}", file=sys.stderr, flush=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -407,8 +484,11 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
                 f"lower --replicas/--max-replicas or raise --threads"
             )
         threads = total // most
+    pairing = pair_drafter(args.target, args.draft, args.drafter)
+    _note(pairing.note)  # a drafter left unnamed beside a draft model is each replica's to choose (by its tokenizer)
+    drafter = args.drafter if pairing.draft is not None else pairing.drafter
     settings = ReplicaSettings(
-        target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype, quantize=args.quantize,
+        target=args.target, draft=pairing.draft, drafter=drafter, dtype=args.dtype, quantize=args.quantize,
         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab, k=args.k, k_max=args.k_max,
         max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting, max_context=args.max_context, prefix_cache_mb=args.prefix_cache_mb,
@@ -446,23 +526,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.serving.http import TransportLimits, configure_server_logging
     from verispec.serving.http import serve as serve_http
     from verispec.serving.metrics import ServerMetrics
-    from verispec.serving.scheduler import MODEL_DRAFTERS, SchedulerLimits, build_scheduler, start_in_model_thread
+    from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
 
     settings = server_settings(args)  # bad values fail before the models load
     transport = TransportLimits(args.header_timeout, args.keep_alive_timeout, args.max_connections)
     sock = _listen(args.host, args.port)
-    drafter = drafter_for(args.drafter, args.draft)
+    pairing = pair_drafter(args.target, args.draft, args.drafter)
     metrics = ServerMetrics()
     limits = SchedulerLimits(args.max_batch_size, args.max_waiting, args.max_context, args.prefix_cache_mb << 20)
     try:  # the models are loaded and run in one thread of their own (see start_in_model_thread)
         scheduler = start_in_model_thread(lambda: build_scheduler(
-            args.target, args.draft if drafter in MODEL_DRAFTERS else None, drafter, args.dtype, args.draft_quantize,
-            args.k, args.k_max, limits, metrics, progress=sys.stderr.isatty(), quantize=args.quantize,
-            chunked_prefill=args.chunked_prefill, k_per_sequence=args.k_per_sequence, draft_vocab=args.draft_vocab,
+            args.target, pairing.draft, pairing.drafter, args.dtype, args.draft_quantize, args.k, args.k_max, limits,
+            metrics, progress=sys.stderr.isatty(), quantize=args.quantize, chunked_prefill=args.chunked_prefill,
+            k_per_sequence=args.k_per_sequence, draft_vocab=args.draft_vocab,
+            foreign_draft_crosses=args.drafter is None,
         ), args.threads)
     except BaseException:
         sock.close()
         raise
+    drafter = scheduler.drafter
+    _note(pairing.note)
+    if drafter != pairing.drafter:  # a draft model of another tokenizer: cross-tokenizer (build_scheduler)
+        _note(cross_tokenizer_note(pairing.draft, args.target, drafter))
     if scheduler.target.format is not None:
         metrics.set_target(scheduler.target.format.as_dict())
     app = create_app(scheduler, metrics, settings)
@@ -489,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             if args.names and not args.paths:
                 raise ValueError("model names are for --paths: `verispec models --paths NAME ...`")
-            return cmd_model_paths(args.names, args.json) if args.paths else cmd_models()
+            if args.rm is not None:
+                return cmd_remove_model(args.rm)
+            return cmd_model_paths(args.names, args.json) if args.paths else cmd_models(args.json)
         if args.command == "bench":
             from verispec.bench.command import run_bench
 

@@ -30,9 +30,14 @@ def drafter_for(drafter: str | None, draft: str | None) -> str:
     return "none" if drafter == "draft-model" and no_model else drafter
 
 
+def same_vocabulary(target: LoadedModel, draft: LoadedModel) -> bool:
+    """Whether the draft's token ids mean the same text as the target's (else: the cross-tokenizer drafter)."""
+    return draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+
+
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft model's token ids must mean the same text as the target's."""
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+    if not same_vocabulary(target, draft):
         raise ValueError(
             f"draft model {draft.name!r} has a different tokenizer from target {target.name!r}; "
             "use the cross-tokenizer drafter (--drafter cross-tokenizer) for a draft model with its own vocabulary"
@@ -56,7 +61,18 @@ def load_draft_model(
     """
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
-    draft = load_model(spec, dtype, progress)
+    return draft_model_drafter(load_model(spec, dtype, progress), target, dtype, quantize, progress, vocab)
+
+
+def draft_model_drafter(
+    draft: LoadedModel,
+    target: LoadedModel,
+    dtype: str | torch.dtype = "auto",
+    quantize: str = "auto",
+    progress: bool = False,
+    vocab: str | int = "full",
+) -> DraftModelDrafter:
+    """load_draft_model's drafter from a draft model loaded already (its tokenizer checked, then made cheaper)."""
     check_same_vocabulary(target, draft)
     quantize_draft(draft, quantize, progress, dtype_asked=dtype != "auto")
     trim_head(draft, target, vocab)
@@ -96,12 +112,11 @@ def make_drafter(
     if kind == "draft-model":
         return load_draft_model(draft, target, dtype, quantize, progress, vocab)
     model = load_model(draft, dtype, progress)
-    same_vocabulary = model.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     if kind == "cross-tokenizer":
         quantize_draft(model, quantize, progress, dtype_asked=dtype != "auto")
         return CrossTokenizerDrafter(model, target)
     quantize_draft(model, quantize, progress, dtype_asked=dtype != "auto")
-    if same_vocabulary:
+    if same_vocabulary(target, model):
         trim_head(model, target, vocab)
         fallback = DraftModelDrafter(model.model, target.model.vocab_size, lazy_prefill=True)
     else:
@@ -117,5 +132,5 @@ def composite_lookup() -> SuffixIndexDrafter:
 __all__ = [
     "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
     "DEFAULT_DRAFTER", "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup", "drafter_for",
-    "draft_candidates", "load_draft_model", "make_drafter", "quantize_draft",
+    "draft_candidates", "draft_model_drafter", "load_draft_model", "make_drafter", "quantize_draft", "same_vocabulary",
 ]

@@ -345,7 +345,7 @@ class VerispecReplica:
         from ray import serve
 
         from verispec.serving.metrics import ServerMetrics
-        from verispec.serving.scheduler import MODEL_DRAFTERS, SchedulerLimits, build_scheduler, start_in_model_thread
+        from verispec.serving.scheduler import SchedulerLimits, build_scheduler, start_in_model_thread
 
         self.settings = s = ReplicaSettings.model_validate(settings)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -353,9 +353,9 @@ class VerispecReplica:
         drafter = s.drafter_name
         limits = SchedulerLimits(s.max_batch_size, s.max_waiting, s.max_context, s.prefix_cache_mb << 20)
         self.scheduler = start_in_model_thread(lambda: build_scheduler(
-            s.target, s.draft if drafter in MODEL_DRAFTERS else None, drafter, s.dtype, s.draft_quantize, s.k,
-            s.k_max, limits, self.metrics, quantize=s.quantize, chunked_prefill=s.chunked_prefill,
-            draft_vocab=s.draft_vocab,
+            s.target, s.draft, drafter, s.dtype, s.draft_quantize, s.k, s.k_max, limits, self.metrics,
+            quantize=s.quantize, chunked_prefill=s.chunked_prefill, draft_vocab=s.draft_vocab,
+            foreign_draft_crosses=s.drafter is None,
         ), s.threads)
         if self.scheduler.target.format is not None:
             self.metrics.set_target(self.scheduler.target.format.as_dict())

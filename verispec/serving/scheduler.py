@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import torch
 
-from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_drafter
+from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_drafter, quantize_draft
 from verispec.drafters.draft_format import replace_format
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
 from verispec.config import GenerationConfig
@@ -1046,25 +1046,33 @@ def build_scheduler(
     chunked_prefill: bool | None = None,
     k_per_sequence: bool = False,
     draft_vocab: str | int = "full",
+    foreign_draft_crosses: bool = False,
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them.
 
     chunked_prefill None: on where the target is batch-invariant (its chunks ride in the decoding steps'
-    own forwards), else off.
+    own forwards), else off. foreign_draft_crosses: a draft model whose tokenizer differs from the target's
+    drafts through the cross-tokenizer drafter (the drafter was not named; `Scheduler.drafter` says which ran),
+    where otherwise a draft-model or composite drafter refuses it.
     """
-    from verispec.drafters import load_draft_model
+    from verispec.drafters import QUANTIZATIONS, draft_model_drafter, same_vocabulary
 
     if drafter not in SERVED_DRAFTERS:
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
+    needs_model = drafter in MODEL_DRAFTERS or drafter == "cross-tokenizer"
+    if needs_model and (draft is None or draft.lower() == "none"):
+        raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+    if needs_model and draft_quantize not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {draft_quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     target_model = load_model(target, dtype, progress, quantize)
     draft_model, sequence_drafter = None, None
-    if drafter in MODEL_DRAFTERS or drafter == "cross-tokenizer":
-        if draft is None or draft.lower() == "none":
-            raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+    loaded = load_model(draft, dtype, progress) if needs_model else None
+    if drafter in MODEL_DRAFTERS and foreign_draft_crosses and not same_vocabulary(target_model, loaded):
+        drafter = "cross-tokenizer"
     if drafter in MODEL_DRAFTERS:
-        draft_model = load_draft_model(draft, target_model, dtype, draft_quantize, progress, draft_vocab).model
+        draft_model = draft_model_drafter(loaded, target_model, dtype, draft_quantize, progress, draft_vocab).model
     elif drafter == "cross-tokenizer":  # each sequence re-encodes text its own way: its own drafter, one shared model
-        loaded = make_drafter(drafter, target_model, draft, dtype, draft_quantize, progress=progress).draft
+        quantize_draft(loaded, draft_quantize, progress, dtype_asked=dtype != "auto")
 
         def sequence_drafter() -> Drafter:
             return CrossTokenizerDrafter(loaded, target_model)
