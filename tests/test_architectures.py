@@ -88,11 +88,15 @@ def architecture(request, tmp_path_factory) -> tuple[str, Path, Path]:
     return name, build_architecture(root / "target", name, seed=0), build_architecture(root / "draft", name, seed=1)
 
 
-def transformers_greedy(directory: Path, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation of ids (each step recomputed from scratch) and its logits over ids."""
+def transformers_model(directory: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+
+
+def transformers_greedy(directory: Path, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of ids (each step recomputed from scratch) and its logits over ids."""
+    model = transformers_model(directory)
     tokens = list(ids)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]  # (T, V)
@@ -121,6 +125,11 @@ def test_float32_logits_and_greedy_tokens_are_transformers(architecture):
     cache = target.model.new_cache(1, len(ids) + 4)
     logits = target.model.forward(torch.tensor([ids]), cache)[0]  # (T, V)
     assert torch.allclose(logits, expected_logits, atol=1e-4, rtol=1e-4), (logits - expected_logits).abs().max()
+    long_ids = torch.randint(0, target.model.vocab_size, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # a pass longer than INVARIANT_ATTENTION_MAX_ROWS: one masked attention call a layer
+        expected_long = transformers_model(directory)(long_ids).logits[0]  # (T, V)
+    long_logits = target.model.forward(long_ids, target.model.new_cache(1, 84))[0]  # (T, V)
+    assert torch.allclose(long_logits, expected_long, atol=1e-4, rtol=1e-4), (long_logits - expected_long).abs().max()
     plain = SpeculativeEngine(target).generate(PROMPT, greedy())
     assert plain.token_ids == expected_tokens
     assert len(set(expected_tokens)) > 4  # a text, not one token repeated
@@ -196,3 +205,22 @@ def test_legacy_config_fields_read_as_transformers_reads_them():
     assert phi.rotary_dim == 12 and phi.fused_projections
     assert phi.max_position_embeddings == 4096  # the short factors' reach: longer contexts are refused
     assert phi.ropes[0][1].attention_scaling > 1.0
+
+
+def test_without_verispec_kernels_step_by_step_logits_are_transformers(architecture, monkeypatch):
+    """torch's attention one query at a time (machines where the kernels do not build), a token per forward."""
+    from verispec.models import transformer
+
+    monkeypatch.setattr(transformer, "attention_kernel_runs", lambda head_dim, dtype: False)
+    monkeypatch.setattr(transformer, "norm_kernel_runs", lambda x: False)
+    name, directory, _ = architecture
+    model = load_model(directory, "float32").model
+    ids = torch.randint(0, model.vocab_size, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = transformers_model(directory)(ids).logits[0]  # (T, V)
+    cache = model.new_cache(1, ids.shape[1])
+    steps = []
+    for position in range(ids.shape[1]):
+        steps.append(model.forward(ids[:, position : position + 1], cache)[0, 0])  # (V,)
+        cache.commit(1)
+    assert torch.allclose(torch.stack(steps), expected, atol=1e-4, rtol=1e-4)
