@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_modes(args, target, console) -> list:
     from verispec.bench.modes import EngineMode, HuggingFaceMode
-    from verispec.bench.adversarial import ScrambledDrafter
+    from verispec.bench.adversarial import scrambled_drafter
     from verispec.drafters import make_drafter
     from verispec.engine import SpeculativeEngine
     from verispec.models.loading import resolve_model
@@ -114,7 +114,7 @@ def build_modes(args, target, console) -> list:
                 kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True, vocab=args.draft_vocab
             )
             if mode == "unrelated":
-                drafter = ScrambledDrafter(drafter, target.model.vocab_size)
+                drafter = scrambled_drafter(drafter, resolve_model(draft)[1])
             # One engine per mode: the adaptive controller learns only from its own runs.
             modes += [EngineMode(mode_name(mode, k), SpeculativeEngine(target, drafter), k) for k in args.k]
     if "hf-plain" in args.modes or "hf-assisted" in args.modes:
