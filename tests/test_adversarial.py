@@ -24,7 +24,9 @@ def test_a_scrambled_copy_of_the_target_proposes_its_guesses_permuted(target, ti
     guess, scrambled = (d.propose(tokens, 3, greedy, None).token_ids[0] for d in (honest, adversary))
     assert scrambled[0] == permutation[guess[0]]  # its argmax, reported as another token
     sampling = SamplingParams(temperature=1.0)
-    guess, scrambled = (d.propose(tokens, 1, sampling, torch.Generator().manual_seed(0)).probs[0, 0] for d in (honest, adversary))
+    guess, scrambled = (
+        d.propose(tokens, 1, sampling, torch.Generator().manual_seed(0)).probs[0, 0] for d in (honest, adversary)
+    )
     assert torch.allclose(scrambled[permutation], guess)  # q'(perm[x]) = q(x): its own distribution, relabelled
 
 
@@ -35,5 +37,6 @@ def test_the_scrambled_target_is_rejected_and_the_output_stays_plain(target, tin
     result = SpeculativeEngine(target, adversary).generate(PROMPT, config)
     assert result.token_ids == expected.token_ids
     assert result.stats.drafted_tokens > 0 and result.stats.acceptance_rate < 0.2
-    honest = SpeculativeEngine(target, DraftModelDrafter(target.model, target.model.vocab_size)).generate(PROMPT, config)
+    honest_drafter = DraftModelDrafter(target.model, target.model.vocab_size)
+    honest = SpeculativeEngine(target, honest_drafter).generate(PROMPT, config)
     assert honest.stats.acceptance_rate == 1.0  # what the same model unscrambled does

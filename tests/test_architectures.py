@@ -161,7 +161,8 @@ def test_served_greedy_equals_the_library(architecture, dtype, quantize):
     draft = load_model(draft_directory, dtype, quantize=quantize)
     prompts = [PROMPT, "for i in range(10):\n", "The quick brown fox"]
     expected = [SpeculativeEngine(target).generate(prompt, greedy()).text for prompt in prompts]
-    scheduler = Scheduler(target, draft.model, "draft-model", k=3, limits=SchedulerLimits(max_batch_size=4, max_context=128))
+    limits = SchedulerLimits(max_batch_size=4, max_context=128)  # (phi3's longrope context is 128)
+    scheduler = Scheduler(target, draft.model, "draft-model", k=3, limits=limits)
     scheduler.start()
     try:
         with TestClient(create_app(scheduler, ServerMetrics(), ServerSettings("tiny"))) as http:

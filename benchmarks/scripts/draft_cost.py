@@ -72,7 +72,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens already in the cache")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="whose one-token forward to compare with")
+    parser.add_argument(
+        "--target", default="qwen2.5-coder-1.5b-instruct", help="whose one-token forward to compare with"
+    )
     parser.add_argument("--target-format", default="w4a8")
     parser.add_argument("--out", type=Path, default=Path("bench-results/draft-cost"))
     args = parser.parse_args()
@@ -98,7 +100,8 @@ def main() -> None:
     for layer in model.layers:
         normed = rms_norm(x, layer.attn_norm, eps)
         qkv = layer.qkv(normed)  # (1, 1, (H + 2 Hkv) D)
-        qk = model._position_qk(layer, qkv.narrow(-1, 0, q_size + kv_size).view(1, 1, heads + kv_heads, head_dim), rotary)
+        heads_qk = qkv.narrow(-1, 0, q_size + kv_size).view(1, 1, heads + kv_heads, head_dim)  # (1, 1, H + Hkv, D)
+        qk = model._position_qk(layer, heads_qk, rotary)
         attended = torch.randn(1, 1, q_size).to(model.dtype)
         x = x + layer.out(attended)
         gate_up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps))

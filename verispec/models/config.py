@@ -126,8 +126,8 @@ class ModelConfig:
             if rope_type != "default":
                 ropes.append((kind, _scaled_rope(config, rope_type, kind if per_layer_type else None)))
             elif per_layer_type:
-                inv_freq = [1.0 / (float(parameters["rope_theta"]) ** (i / rotary_dim)) for i in range(0, rotary_dim, 2)]
-                ropes.append((kind, Rope(tuple(inv_freq))))
+                theta = float(parameters["rope_theta"])
+                ropes.append((kind, Rope(tuple(1.0 / (theta ** (i / rotary_dim)) for i in range(0, rotary_dim, 2)))))
             if rope_type == "longrope":
                 # transformers switches to the long factors once a sequence passes the original length, which
                 # changes the keys already cached: verispec keeps the short factors and stops there.

@@ -119,7 +119,8 @@ def _windowed(row_keys: list[list[int | torch.Tensor]], window: int) -> list[lis
 def _softcapped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, softcap: float
 ) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T / (sqrt(D) cap)), over the visible keys) v, in float32 (Gemma 2; no fused kernel does it).
+    """softmax(cap * tanh(q k^T / (sqrt(D) cap)), over the visible keys) v, in float32 (Gemma 2: no fused
+    kernel does it).
 
     q: (B, H, T, D); keys, values: (B, Hkv, S, D); mask: (B, 1, T, S) True = may attend, or None.
     """
@@ -291,7 +292,8 @@ class Layer:
         self.attn_norm = norm("input_layernorm.weight")
         # Gemma 2/3 norm the attention output with post_attention_layernorm and the MLP input with pre_feedforward.
         self.post_attn_norm = norm("post_attention_layernorm.weight") if config.sandwich_norms else None
-        self.mlp_norm = norm("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")
+        mlp_norm = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
+        self.mlp_norm = norm(mlp_norm + ".weight")
         self.post_mlp_norm = norm("post_feedforward_layernorm.weight") if config.sandwich_norms else None
         self.q_norm = norm(attn + "q_norm.weight") if config.qk_norm else None  # (D,)
         self.k_norm = norm(attn + "k_norm.weight") if config.qk_norm else None  # (D,)
