@@ -50,7 +50,8 @@ def tokens_per_step(ranks: list[int], shape: tuple[int, ...]) -> float:
     position, steps = 0, 0
     while position < len(ranks):
         accepted = 0
-        while accepted < len(shape) and position + accepted < len(ranks) and ranks[position + accepted] < shape[accepted]:
+        while (accepted < len(shape) and position + accepted < len(ranks)
+               and ranks[position + accepted] < shape[accepted]):
             accepted += 1
         position += accepted + 1
         steps += 1
@@ -97,7 +98,9 @@ def main() -> None:
         for prompt in tqdm(load_workload(workload, args.limit), desc=workload):
             text = prompt.get("prompt")
             if text is None:
-                text = target.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+                text = target.tokenizer.apply_chat_template(
+                    prompt["messages"], tokenize=False, add_generation_prompt=True
+                )
             prompt_ids = target.encode(text)
             output = plain.generate(prompt_ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids
             ids = torch.tensor([prompt_ids + output])  # (1, T)
@@ -133,10 +136,12 @@ def main() -> None:
     (args.out / "run.json").write_text(json.dumps(report, indent=2) + "\n")
     for workload, result in results.items():
         shares = ", ".join(f"rank {r}: {s:.0%}" for r, s in result["rank_share"].items())
-        print(f"\n{workload}: {result['prompts']} prompts, {result['tokens']} tokens; the target's token was the draft's {shares}")
+        print(f"\n{workload}: {result['prompts']} prompts, {result['tokens']} tokens; "
+              f"the target's token was the draft's {shares}")
         print(f"{'shape':>10} {'nodes':>5} {'tok/fwd':>8} {'step ms':>8} {'x plain':>8}")
         for row in result["shapes"]:
-            print(f"{row['shape']:>10} {row['nodes']:>5} {row['tokens_per_forward']:8.2f} {row['step_ms']:8.1f} {row['speedup']:8.2f}")
+            print(f"{row['shape']:>10} {row['nodes']:>5} {row['tokens_per_forward']:8.2f} {row['step_ms']:8.1f} "
+                  f"{row['speedup']:8.2f}")
 
 
 if __name__ == "__main__":
