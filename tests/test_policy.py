@@ -301,8 +301,8 @@ def test_a_drafting_step_overhead_the_model_does_not_price_makes_it_plain():
     controller = AdaptiveController(ControllerSettings(k_max=4))
     run_steps(controller, 20, 1.0, 0.001, lambda n: 0.05 + 0.001 * n)
     assert controller.choose_k() > 0  # no whole step measured: the model decides
-    for _ in range(30):  # 0.2 s beyond the ~0.06 s priced, every drafting step
-        controller.observe_step("draft-model", 1, 0.26, 0.06)
+    for _ in range(30):  # 0.24 s beyond the ~0.06 s priced, every drafting step
+        controller.observe_step("draft-model", 1, 0.30, 0.06)
     assert controller.choose_k(source="draft-model") == 0
     for _ in range(30):
         controller.observe_step(None, 1, 0.25, 0.05)

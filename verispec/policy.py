@@ -105,6 +105,7 @@ class AdaptiveController:
     chosen: Counter = field(default_factory=Counter)  # k -> steps (the histogram reported in stats)
     probing: bool = False  # whether the last choose_k returned a probe (k = 1 to re-measure acceptance)
     probe_backoff: int = 1  # probes come probe_every * batch size * this steps apart; doubled by each vain probe
+    drafted_last: bool = False  # whether the last choice drafted (not as a probe): then it takes less to go on
     catch_up_per_token: float | None = None  # seconds a draft model takes per committed token it catches up on
     # (source that drafted, or None for a plain step; batch size) -> seconds a whole step took beyond its priced
     # parts (drafting and the forward): see observe_step
@@ -190,8 +191,12 @@ class AdaptiveController:
                 k = self.settings.first_k
             else:
                 best_rate, k = max(rates)
-                if k > 0 and best_rate < (1 + self.settings.min_gain) * rates[0][0]:
-                    k = 0  # within noise of plain decoding: a measured gain this small is no gain
+                # Within noise of plain decoding a measured gain this small is no gain: it takes min_gain to start
+                # drafting, and half of it to go on (else an acceptance estimate that a few unlucky steps pulled
+                # down stops a drafter that pays on average).
+                margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
+                if k > 0 and best_rate < (1 + margin) * rates[0][0]:
+                    k = 0
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 if after_probe:  # the probe found drafting still does not pay: wait longer for the next
                     self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF)
@@ -205,6 +210,7 @@ class AdaptiveController:
                 self.plain_streak = 0
                 self.probe_backoff = 1 if k > 0 else self.probe_backoff
         self.chosen[k] += 1
+        self.drafted_last = k > 0 and not self.probing
         return k
 
     def choose_row_ks(
@@ -301,6 +307,10 @@ class AdaptiveController:
             hit = 1.0 if position < accepted else 0.0
             averages.alpha[position] = moving_average(averages.alpha[position], hit, w)
             averages.reached[position] += 1
+        if self.probing and accepted:
+            # A probe that passed is drafting worth trying again, and measuring as it really drafts: a probe may see
+            # only the latest tokens (a draft model's window), which a chat answer's first guesses need more than.
+            averages.alpha[0] = max(averages.alpha[0], self.settings.prior_acceptance)
         per_position = draft_seconds / drafted
         averages.draft_cost[batch_size] = moving_average(averages.draft_cost.get(batch_size), per_position, w)
         self.recent_sources[source] += 1
