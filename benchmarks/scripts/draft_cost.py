@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verispec.bench.machine import git_commit, machine_description
+from verispec.bench.machine import git_commit, machine_description, machine_line
 from verispec.models.loading import load_model
 from verispec.models.transformer import ACTIVATIONS, _attention_per_row, rms_norm
 
@@ -158,7 +158,8 @@ def main() -> None:
     measured = bandwidth()
     total_bytes = weight_bytes + head_bytes + kv_bytes
     result = {
-        "commit": git_commit(), "date": datetime.date.today().isoformat(), "machine": machine_description(),
+        "commit": git_commit(), "date": datetime.date.today().isoformat(), "machine": machine_line(),
+        "machine_details": machine_description(),
         "command": "benchmarks/scripts/draft_cost.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "model": args.model, "format": loaded.format.label if loaded.format else args.format, "context": args.context,

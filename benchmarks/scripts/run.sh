@@ -18,11 +18,9 @@ stamp() {  # DIR COMMAND: DIR/run.json, where DIR's results came from
     mkdir -p "$1"
     .venv/bin/python - "$1" "$2" <<'PY'
 import datetime, json, os, sys
-from verispec.bench.machine import MATRIX_FEATURES, git_commit, machine_kind
-from verispec.models.machine import cpu_flags, cpu_model
-features = "+".join(f for f in MATRIX_FEATURES if f in cpu_flags()) or "none of " + "/".join(MATRIX_FEATURES)
-run = {"commit": git_commit(), "date": datetime.date.today().isoformat(),
-       "machine": f"{machine_kind()}: {cpu_model()}, {os.cpu_count()} cores, {features}", "command": sys.argv[2]}
+from verispec.bench.machine import git_commit, machine_line
+run = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "machine": machine_line(),
+       "command": sys.argv[2]}
 with open(os.path.join(sys.argv[1], "run.json"), "w") as out:
     out.write(json.dumps(run, indent=1) + "\n")
 PY

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verispec.bench.machine import git_commit, machine_description
+from verispec.bench.machine import git_commit, machine_description, machine_line
 from verispec.bench.workloads import load_workload
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.forward_cost import forward_costs
@@ -126,7 +126,8 @@ def main() -> None:
             "shapes": rows,
         }
     report = {
-        "commit": git_commit(), "date": datetime.date.today().isoformat(), "machine": machine_description(),
+        "commit": git_commit(), "date": datetime.date.today().isoformat(), "machine": machine_line(),
+        "machine_details": machine_description(),
         "command": "benchmarks/scripts/tree_potential.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "forward_ms": {name: {str(n): round(s * 1e3, 3) for n, s in c.items()} for name, c in costs.items()},

@@ -53,6 +53,16 @@ def machine_description() -> dict:
     }
 
 
+def machine_line() -> str:
+    """The one line each result's run.json names its machine by: kind, CPU model, cores, ISA features."""
+    import os
+
+    from verispec.models.machine import cpu_flags, cpu_model
+
+    features = "+".join(f for f in MATRIX_FEATURES if f in cpu_flags()) or "none of " + "/".join(MATRIX_FEATURES)
+    return f"{machine_kind()}: {cpu_model()}, {os.cpu_count()} cores, {features}"
+
+
 def machine_kind() -> str:
     """This machine's kind, the folder of benchmarks/results/ its runs go to: zen2 ... zen5, xeon; else a rough name.
 
