@@ -341,7 +341,8 @@ def load_model(
     started = time.perf_counter()
     model = _build(name, directory, config, torch_dtype, choice, progress)
     if whole_forwards:
-        if not timed_now and target_format.is_stale(model, kept):
+        one_row = None if timed_now else target_format.one_row_seconds(model)
+        if one_row is not None and target_format.slower_than_another(kept, one_row):
             # Another format's remembered estimate is MARGIN below what the loaded one costs: time them again.
             target_format.forget(directory, torch_dtype)
             loaded_format = kept["format"]
@@ -349,8 +350,10 @@ def load_model(
             if kept["format"] != loaded_format:
                 del model
                 model = _build(name, directory, config, torch_dtype, choice, progress)
+                one_row = None
         if timed_now or "calibration" not in kept:  # (timed without a model: resolve_target_format)
-            kept = target_format.calibrate(model, kept, directory, torch_dtype)
+            one_row = one_row if one_row is not None else target_format.one_row_seconds(model)
+            kept = target_format.calibrate(kept, one_row, directory, torch_dtype)
         model.target_format_check = target_format.ServingCheck(kept, directory, torch_dtype)  # a server feeds it
     format_info = ModelFormat(choice, torch_dtype, time.perf_counter() - started)
     return LoadedModel(name, model, tokenizer, _eos_ids(directory, tokenizer, extra_eos), directory, format_info)

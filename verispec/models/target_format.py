@@ -12,7 +12,7 @@ tokens (a plain step and verify passes). A whole forward of n tokens is estimate
 
 and the candidate whose estimates, summed over PROBE_ROWS, are least is chosen. The choice is remembered per
 machine, weights and kernel build (remembered_choice), with the ratio of the loaded model's measured one-row forward
-to its estimate (calibrate), and checked whenever the model loads (is_stale) and while a server runs it
+to its estimate (calibrate), and checked whenever the model loads (slower_than_another) and while a server runs it
 (ServingCheck): where the loaded model's one-row forward costs MARGIN times another candidate's calibrated estimate,
 the formats are timed again.
 """
@@ -83,18 +83,12 @@ def choose(directory, config: ModelConfig, dtype: torch.dtype, read_probe: Calla
     return remembered_choice(choice_kind(directory, dtype), measure), bool(timed_now)
 
 
-def is_stale(model: Transformer, kept: dict) -> bool:
-    """Whether the loaded `model` (in kept's format) costs, one row at a time, MARGIN times another candidate's
-    remembered one-row estimate: then the remembered choice no longer holds here (a CPU that changed under the
-    same name, a kernel that regressed, a choice planted by hand) and the formats should be timed again."""
-    return bool(_others(kept)) and slower_than_another(kept, one_row_seconds(model))
-
-
-def calibrate(model: Transformer, kept: dict, directory, dtype: torch.dtype) -> dict:
-    """kept, remembered again with its "calibration": the loaded model's measured one-row forward over the probe's
-    estimate of it. The probe's few layers may stay in cache where a whole model's do not; the checks scale every
-    estimate by this ratio, so that such a bias in the estimates does not make a choice look stale at every load."""
-    calibrated = kept | {"calibration": one_row_seconds(model) / kept["one_row"][kept["format"]]}
+def calibrate(kept: dict, one_row: float, directory, dtype: torch.dtype) -> dict:
+    """kept, remembered again with its "calibration": `one_row`, the loaded model's measured one-row forward
+    (one_row_seconds), over the probe's estimate of it. The probe's few layers may stay in cache where a whole
+    model's do not; the checks scale every estimate by this ratio, so that such a bias in the estimates does not
+    make a choice look stale at every load."""
+    calibrated = kept | {"calibration": one_row / kept["one_row"][kept["format"]]}
     forget(directory, dtype)
     return remembered_choice(choice_kind(directory, dtype), lambda: calibrated)
 
