@@ -313,7 +313,7 @@ def _dtype_choice(dtype: torch.dtype) -> dict:
 
 
 def _choice_summary(model: str, choice: FormatChoice, timed_on: str) -> dict:
-    """The format `auto` chose for a model and why: the timings behind it (a target's w4a8 adds its prefill's)."""
+    """The format `auto` chose for a model and why: the timings behind it (w4a8 adds its prefill's)."""
     seconds = choice.seconds or {}
     long_passes = {name: s for name, s in seconds.items() if name.startswith("w4a8-")}  # see w4a8_choice
     candidates = {name: s for name, s in seconds.items() if name not in long_passes}

@@ -22,7 +22,7 @@ import torch
 
 from verispec.models import w4a8
 from verispec.models.forward_cost import forward_costs
-from verispec.models.linear import FORMATS, FormatChoice, w4a8_choice, w8a8_available
+from verispec.models.linear import FORMATS, FormatChoice, candidate_choice, w8a8_available
 from verispec.models.loading import LoadedModel, build_kernel, load_model
 from verispec.models.machine import forget_choice, remembered_choice, weights_identity
 from verispec.models.transformer import Transformer
@@ -104,7 +104,7 @@ def quantize_draft(
     if candidates:
         choice = _timed_choice(draft, quantize, candidates, check=True)
     else:
-        choice = _format_of("none" if quantize == "auto" else quantize, dtype)
+        choice = candidate_choice("none" if quantize == "auto" else quantize, dtype)
         if choice.weight_format != "none":
             draft.model.quantize(choice.weight_format, choice.activations)
     draft.model.invariant_attention = False  # (a timed copy may have replaced the model)
@@ -151,7 +151,7 @@ def _timed_choice(draft: LoadedModel, quantize: str, candidates: tuple[str, ...]
     kept = remembered_choice(kind, measure)
     if kept["best"] is None:
         raise ValueError(DRAFT_W8A8_UNAVAILABLE)
-    choice = _format_of(kept["best"], draft.model.dtype, kept["seconds"])
+    choice = candidate_choice(kept["best"], draft.model.dtype, kept["seconds"])
     if timed:
         draft.model = timed[kept["best"]]
     elif choice.weight_format != "none":
@@ -175,7 +175,7 @@ def _copies_in_formats(dense: Transformer, candidates: tuple[str, ...]) -> dict[
         if candidate == "none":
             models[candidate] = dense
             continue
-        choice = _format_of(candidate, dense.dtype)
+        choice = candidate_choice(candidate, dense.dtype)
         model = copy.deepcopy(dense)
         try:
             model.quantize(choice.weight_format, choice.activations)
@@ -184,11 +184,3 @@ def _copies_in_formats(dense: Transformer, candidates: tuple[str, ...]) -> dict[
             continue
         models[candidate] = model
     return models
-
-
-def _format_of(candidate: str, dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
-    """"w8a8-u8" -> FormatChoice("w8a8", "u8"); w4a8 takes the activations its prefill passes measured fastest."""
-    weight_format, _, activations = candidate.partition("-")
-    if weight_format == "w4a8":
-        activations = w4a8_choice(dtype).activations
-    return FormatChoice(weight_format, activations or "s8", seconds)

@@ -366,10 +366,15 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
     seconds = measure_formats(candidates, dtype, **AUTO_PROBE)
     if requested == "w8a8" and not seconds:
         raise ValueError("--quantize w8a8: oneDNN's int8 kernels do not run on this CPU; use --quantize none")
-    best = min(seconds, key=seconds.get)
-    if best == "w4a8":
+    return candidate_choice(min(seconds, key=seconds.get), dtype, seconds)
+
+
+def candidate_choice(candidate: str, dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
+    """A candidate's name as the format it loads in, carrying what was timed: "w8a8-u8" -> FormatChoice("w8a8",
+    "u8", seconds); "w4a8" takes the long-pass kind its prefill timing chose, that timing joining `seconds`."""
+    weight_format, _, activations = candidate.partition("-")
+    if weight_format == "w4a8":
         return w4a8_choice(dtype, seconds)
-    weight_format, _, activations = best.partition("-")
     return FormatChoice(weight_format, activations or "s8", seconds)
 
 

@@ -25,7 +25,9 @@ from verispec.models.config import ModelConfig
 from verispec.models.hub import hub_snapshot, looks_like_hub_id
 from verispec.models.machine import CACHE_MARKER, cache_root, cpu_supports_bfloat16
 from verispec.models import target_format, w4a8
-from verispec.models.linear import BATCH_INVARIANT_FORMATS, FormatChoice, auto_keeps_dense, choose_format
+from verispec.models.linear import (
+    BATCH_INVARIANT_FORMATS, FormatChoice, auto_keeps_dense, candidate_choice, choose_format,
+)
 from verispec.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -382,7 +384,7 @@ def _whole_forward_choice(directory: Path, config: ModelConfig, dtype: torch.dty
         return {name: weights.pop(name) for name in target_format.probe_tensor_names(weights.names(), config)}
 
     kept, timed_now = target_format.choose(directory, config, dtype, read_probe)
-    return kept, timed_now, target_format.candidate_choice(kept["format"], dtype, kept["seconds"])
+    return kept, timed_now, candidate_choice(kept["format"], dtype, kept["seconds"])
 
 
 def _build(name: str, directory: Path, config: ModelConfig, dtype: torch.dtype, choice: FormatChoice,

@@ -31,7 +31,7 @@ import torch
 from verispec.models import w4a8
 from verispec.models.config import ModelConfig
 from verispec.models.forward_cost import forward_costs
-from verispec.models.linear import FormatChoice, auto_candidates, w4a8_choice, w4a8_long_pass_kinds
+from verispec.models.linear import auto_candidates, candidate_choice, w4a8_long_pass_kinds
 from verispec.models.machine import forget_choice, remembered_choice, weights_identity
 from verispec.models.transformer import Transformer
 
@@ -137,14 +137,6 @@ class ServingCheck:
 def forget(directory, dtype: torch.dtype) -> None:
     """Drop the remembered choice for this target, so that the next choose() times the formats again."""
     forget_choice(choice_kind(directory, dtype))
-
-
-def candidate_choice(candidate: str, dtype: torch.dtype, seconds: dict[str, float] | None = None) -> FormatChoice:
-    """"w8a8-u8" -> FormatChoice("w8a8", "u8"); w4a8 takes the long-pass kind its prefill timing chose."""
-    if candidate == "w4a8":
-        return w4a8_choice(dtype, seconds)
-    weight_format, _, activations = candidate.partition("-")
-    return FormatChoice(weight_format, activations or "s8", seconds)
 
 
 def estimated_forward_seconds(config: ModelConfig, dense: dict, dtype: torch.dtype) -> dict[str, dict[int, float]]:
