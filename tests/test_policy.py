@@ -61,6 +61,24 @@ def test_positions_never_reached_borrow_the_acceptance_seen_before_them():
     assert controller.choose_k() == 2
 
 
+def test_a_deep_position_measured_low_recovers_when_shorter_drafts_keep_passing():
+    """A stretch the drafter guessed badly (chat: first drafts pass, second ones fail) leaves the deeper estimates
+    low; when drafts of 1 then always pass (code), the deeper estimates follow, so k grows and measures them anew.
+    (Before: k stayed 1 for good, since a draft of 1 never reaches position 2; a served warm-up on a chat request
+    made a server draft k = 1 on code at 95% acceptance.)"""
+    controller = AdaptiveController(ControllerSettings(k_max=6))
+    verify = lambda n: 0.04 + 0.002 * n  # noqa: E731
+    for _ in range(30):
+        controller.observe("draft-model", 6, 1, 0.06, 7, verify(7))
+    assert controller.choose_k() == 1
+    chosen = []
+    for _ in range(40):
+        k = controller.choose_k()
+        chosen.append(k)
+        controller.observe("draft-model", k, k, 0.01 * k, k + 1, verify(k + 1))
+    assert min(chosen[-10:]) >= 4
+
+
 def test_vain_probes_come_ever_further_apart_and_a_draft_that_pays_resets_them():
     controller = AdaptiveController(ControllerSettings(k_max=4, probe_every=8))
     probes_at = []

@@ -307,6 +307,13 @@ class AdaptiveController:
             hit = 1.0 if position < accepted else 0.0
             averages.alpha[position] = moving_average(averages.alpha[position], hit, w)
             averages.reached[position] += 1
+        if accepted == drafted:
+            # Every draft passed, so deeper ones might have too: the positions beyond move towards the deepest one's
+            # estimate. Else a deep position measured low once (a stretch of text the drafter guessed badly) would
+            # keep k short for good, since short drafts never reach it to measure it again: a server warmed up on a
+            # chat request then drafted k = 1 on code at 95% acceptance (1.8 tokens per forward, against 3.9).
+            for position in range(drafted, len(averages.alpha)):
+                averages.alpha[position] = moving_average(averages.alpha[position], averages.alpha[drafted - 1], w)
         if self.probing and accepted:
             # A probe that passed is drafting worth trying again, and measuring as it really drafts: a probe may see
             # only the latest tokens (a draft model's window), which a chat answer's first guesses need more than.
