@@ -6,7 +6,9 @@ measures them online, on this machine, during the request:
 
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
   positions before it were; an exponential moving average over recent steps. A position hardly
-  reached yet (deeper than the drafts tried) borrows the estimate of the position before it.
+  reached yet (deeper than the drafts tried) borrows the estimate of the position before it, and
+  a step whose drafts all passed moves the positions beyond it towards the deepest one's estimate
+  (short drafts never reach a deep position that was once measured low).
 - draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
   batched draft-model forward; ~0 for lookup), averaged per b and interpolated.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
