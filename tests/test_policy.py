@@ -72,7 +72,7 @@ def test_a_deep_position_measured_low_recovers_when_shorter_drafts_keep_passing(
         controller.observe("draft-model", 6, 1, 0.06, 7, verify(7))
     assert controller.choose_k() == 1
     chosen = []
-    for _ in range(40):
+    for _ in range(60):
         k = controller.choose_k()
         chosen.append(k)
         controller.observe("draft-model", k, k, 0.01 * k, k + 1, verify(k + 1))

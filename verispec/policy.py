@@ -7,8 +7,8 @@ measures them online, on this machine, during the request:
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
   positions before it were; an exponential moving average over recent steps. A position hardly
   reached yet (deeper than the drafts tried) borrows the estimate of the position before it, and
-  a step whose drafts all passed moves the positions beyond it towards the deepest one's estimate
-  (short drafts never reach a deep position that was once measured low).
+  a step whose drafts all passed moves the position just beyond them towards the deepest one's
+  estimate (short drafts never reach a deep position that was once measured low).
 - draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
   batched draft-model forward; ~0 for lookup), averaged per b and interpolated.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
@@ -309,13 +309,15 @@ class AdaptiveController:
             hit = 1.0 if position < accepted else 0.0
             averages.alpha[position] = moving_average(averages.alpha[position], hit, w)
             averages.reached[position] += 1
-        if accepted == drafted:
-            # Every draft passed, so deeper ones might have too: the positions beyond move towards the deepest one's
-            # estimate. Else a deep position measured low once (a stretch of text the drafter guessed badly) would
-            # keep k short for good, since short drafts never reach it to measure it again: a server warmed up on a
-            # chat request then drafted k = 1 on code at 95% acceptance (1.8 tokens per forward, against 3.9).
-            for position in range(drafted, len(averages.alpha)):
-                averages.alpha[position] = moving_average(averages.alpha[position], averages.alpha[drafted - 1], w)
+        if accepted == drafted < len(averages.alpha):
+            # Every draft passed, so the next one might have too: the position just beyond moves towards the deepest
+            # one's estimate, as much as one step's observation moves it (a batch's rows share it). Else a deep position
+            # measured low once (a stretch of text the drafter guessed badly) would keep k short for good, since short
+            # drafts never reach it to measure it again: a server warmed up on a chat request then drafted k = 1 on
+            # code at 95% acceptance (1.8 tokens per forward, against 3.9).
+            averages.alpha[drafted] = moving_average(
+                averages.alpha[drafted], averages.alpha[drafted - 1], w / max(batch_size, 1)
+            )
         if self.probing and accepted:
             # A probe that passed is drafting worth trying again, and measuring as it really drafts: a probe may see
             # only the latest tokens (a draft model's window), which a chat answer's first guesses need more than.
