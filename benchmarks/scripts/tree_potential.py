@@ -32,6 +32,7 @@ from verispec.bench.workloads import load_workload
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.forward_cost import forward_costs
 from verispec.models.loading import load_model
+from verispec.policy import interpolate
 
 SHAPES = [
     (1,), (1, 1), (1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1, 1), (1,) * 6,  # chains, k = 1 .. 6
@@ -61,18 +62,7 @@ def tokens_per_step(ranks: list[int], shape: tuple[int, ...]) -> float:
 def step_seconds(shape: tuple[int, ...], draft: dict[int, float], target: dict[int, float]) -> float:
     """A step's cost: one draft forward per depth (over the nodes it proposes from) and one verify pass."""
     widths = [1] + nodes_by_depth(shape)[:-1]  # the draft reads the root, then each depth's nodes
-    return sum(cost_at(draft, w) for w in widths) + cost_at(target, 1 + sum(nodes_by_depth(shape)))
-
-
-def cost_at(costs: dict[int, float], n: int) -> float:
-    """costs[n], or the line between the measured sizes around it."""
-    if n in costs:
-        return costs[n]
-    below = max(m for m in costs if m < n)
-    above = min((m for m in costs if m > n), default=None)
-    if above is None:
-        return costs[below] * n / below
-    return costs[below] + (costs[above] - costs[below]) * (n - below) / (above - below)
+    return sum(interpolate(draft, w) for w in widths) + interpolate(target, 1 + sum(nodes_by_depth(shape)))
 
 
 def main() -> None:
