@@ -45,7 +45,7 @@ def machine_description() -> dict:
         "cores": os.cpu_count(),
         "memory_gib": memory_gib,
         "bfloat16_dot_products": cpu_supports_bfloat16(),
-        "cpu_features": [f for f in MATRIX_FEATURES if f in cpu_flags()],  # which kernels this CPU can run
+        "cpu_features": matrix_features(),  # which kernels this CPU can run
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -53,13 +53,14 @@ def machine_description() -> dict:
     }
 
 
+def matrix_features() -> list[str]:
+    """The MATRIX_FEATURES this CPU has: which kernels it can run."""
+    return [f for f in MATRIX_FEATURES if f in cpu_flags()]
+
+
 def machine_line() -> str:
     """The one line each result's run.json names its machine by: kind, CPU model, cores, ISA features."""
-    import os
-
-    from verispec.models.machine import cpu_flags, cpu_model
-
-    features = "+".join(f for f in MATRIX_FEATURES if f in cpu_flags()) or "none of " + "/".join(MATRIX_FEATURES)
+    features = "+".join(matrix_features()) or "none of " + "/".join(MATRIX_FEATURES)
     return f"{machine_kind()}: {cpu_model()}, {os.cpu_count()} cores, {features}"
 
 
