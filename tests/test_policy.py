@@ -352,3 +352,18 @@ def test_seeded_costs_decide_the_first_step():
     cheap = AdaptiveController(ControllerSettings(k_max=8))  # the same pass on a target whose verify is flat
     cheap.seed({1: 0.03, 2: 0.031, 4: 0.033, 8: 0.04}, {"draft-model": 0.004}, catch_up_per_token=0.001)
     assert cheap.choose_k(source="draft-model") >= 2
+
+
+def test_a_draft_forward_over_more_rows_than_measured_costs_as_the_targets_grows():
+    """A draft model timed at one row is priced at 15 rows as the target's forward grows from 1 to 15 rows, not flat
+    (Intel Xeon: target 38 ms at 1 row, 130 ms at 15; draft 15 ms at 1, 80 ms at 15 measured). Flat, a 15-client
+    server drafted k = 1 at 70% acceptance and ran slower than plain."""
+    controller = AdaptiveController(ControllerSettings(k_max=8))
+    controller.seed({1: 0.038, 15: 0.130, 30: 0.175}, {"draft-model": 0.015})
+    averages = controller._source("draft-model")
+    assert controller._draft_seconds(averages, 15) == pytest.approx(0.015 * 0.130 / 0.038)
+    assert controller._draft_seconds(averages, 1) == 0.015
+    assert controller.choose_k(15, "draft-model") == 0  # 15 + 10.5 tokens in 226 ms against 15 in 130 ms
+    averages.draft_cost[15] = 0.004  # measured at 15 rows: that is what counts there
+    assert controller._draft_seconds(averages, 15) == 0.004
+    assert controller.choose_k(15, "draft-model") > 0

@@ -139,6 +139,40 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     assert scheduler._worth_catching_up([True, False, True, True], [2, 2, 2, 1]) == [True, False, True, False]
 
 
+def test_rows_caught_up_in_one_step_share_one_saving(target):
+    """Each row's catch-up stalls the whole batch, and what drafting saves is the batch's: rows that would each win
+    their catch-up back alone catch up in one step only where the one saving covers them together, nearest first
+    (16 chat rows caught up at once cost 1.3 s, ten plain steps, on an Intel Xeon)."""
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(3, 8, 256))
+    for _ in range(3):
+        scheduler.submit(target.encode(PROMPTS[1]) * 2, GenerationConfig(max_new_tokens=40))
+    scheduler._admit()
+    assert len(scheduler.active) == 3
+    behind = [scheduler.draft.behind(row, s.tokens) for row, s in enumerate(scheduler.active)]
+    assert min(behind) > LONG_TAIL
+    controller = scheduler.controller
+    averages = controller._source("draft-model")
+    averages.alpha, averages.draft_cost = [0.9] * 8, {3: 0.002}
+    controller.verify_cost = {3: 0.1, 9: 0.11}
+    saving = 40 * (1 / controller.expected_rate(0, averages, 3) - 1 / controller.expected_rate(2, averages, 3))
+    controller.catch_up_per_token = 0.6 * saving / behind[0]  # one row's catch-up: 60% of the saving
+    assert scheduler._worth_catching_up([True] * 3, [2] * 3) == [True, False, False]
+    controller.catch_up_per_token = 0.3 * saving / behind[0]  # three: 90%
+    assert scheduler._worth_catching_up([True] * 3, [2] * 3) == [True] * 3
+
+
+def test_the_catch_up_limit_is_shared_by_the_rows_behind(target, draft):
+    """Rows far behind share one catch-up budget a step, the row nearest to caught up first."""
+    batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=2, capacity=512)
+    nearer, further = target.encode(PROMPTS[1]) * 4, target.encode(PROMPTS[1]) * 8
+    batched.add(0)
+    batched.add(1)
+    greedy = [SamplingParams(), SamplingParams()]
+    batched.propose([further, nearer], 2, greedy, [None, None], catch_up_limit=20)
+    assert batched.catch_up_tokens == 20
+    assert batched.behind(1, nearer) == len(nearer) - 20 and batched.behind(0, further) == len(further)
+
+
 def test_a_probe_catches_its_row_up_even_where_estimates_say_it_cannot_pay(target, monkeypatch):
     """Estimates that refuse every catch-up would keep a row (and every later one) from drafting, so acceptance
     would never be measured again; a probe's row catches up regardless."""

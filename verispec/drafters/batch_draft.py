@@ -102,6 +102,9 @@ class BatchedDraftModel:
         `limit` tokens of it. Returns what is left to feed with the batch; None while still behind."""
         if len(tail) <= LONG_TAIL:
             return tail
+        if limit is not None and limit <= 0:  # this step's catch-up budget is spent: the rest next time
+            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
+            return None
         fed = tail[: len(tail) - 1 if limit is None else min(len(tail) - 1, limit)]
         self.catch_up_tokens += len(fed)
         view = self.cache.rows(row, row + 1)
@@ -187,8 +190,9 @@ class BatchedDraftModel:
         """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
 
         Rows with drafting[b] False propose nothing and are not brought up to date. A row further
-        behind than LONG_TAIL catches up alone first, by at most catch_up_limit tokens a call (None:
-        all at once); until it is caught up it proposes nothing. A row with a grammar drafts from q
+        behind than LONG_TAIL catches up alone first; the rows so behind share at most catch_up_limit
+        tokens a call, nearest first (None: all at once); until caught up a row proposes nothing. A
+        row with a grammar drafts from q
         masked by it at every position (its state walks the drafts and comes back), and stops drafting
         once the document is complete. prompt_lengths: where each row's generated tokens start, for
         penalties (which shape q as they shape p).
@@ -201,10 +205,11 @@ class BatchedDraftModel:
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         started = time.perf_counter()
-        tails = [
-            self._catch_up(b, self._sync(b, seq), catch_up_limit) if drafting[b] else None
-            for b, seq in enumerate(tokens)
-        ]
+        tails: list[list[int] | None] = [self._sync(b, seq) if drafting[b] else None for b, seq in enumerate(tokens)]
+        for b in sorted(range(n), key=lambda b: len(tails[b]) if tails[b] is not None else 0):
+            if tails[b] is not None:
+                left = None if catch_up_limit is None else catch_up_limit - self.catch_up_tokens
+                tails[b] = self._catch_up(b, tails[b], left)
         drafting = [wants and tail is not None for wants, tail in zip(drafting, tails)]
         self.catch_up_seconds = time.perf_counter() - started if self.catch_up_tokens else 0.0
         if not any(drafting):

@@ -710,9 +710,9 @@ class Scheduler:
         return cut_to_grammar(drafter.propose(*args), grammar)
 
     def _catch_up_limit(self) -> int | None:
-        """Tokens a row far behind in the draft cache may catch up by this step: with others decoding, what
-        fits in PREFILL_MIN_SHARE of a step (as measured; one chunk until measured), so that feeding a new
-        prompt to the draft model slows the streams no more than its prefill does. Alone: everything."""
+        """Tokens the rows far behind in the draft cache may catch up by in all this step: with others decoding,
+        what fits in PREFILL_MIN_SHARE of a step (as measured; one chunk until measured), so that feeding new
+        prompts to the draft model slows the streams no more than their prefill does. Alone: everything."""
         if not self.chunked_prefill or len(self.active) < 2:
             return None
         per_token = self.controller.catch_up_per_token
@@ -721,23 +721,28 @@ class Scheduler:
         return max(LONG_TAIL + 1, int(self._step_seconds * PREFILL_MIN_SHARE / per_token))
 
     def _worth_catching_up(self, drafting: list[bool], k_per_row: list[int]) -> list[bool]:
-        """Rows far behind in the draft cache draft only where drafting saves them more than catching up costs.
+        """Rows far behind in the draft cache draft only where drafting saves the batch more than catching up costs.
 
         A new sequence's draft cache is empty: its first draft feeds the whole prompt to the draft model
         (and after plain steps, what they committed). Alone a request wins that back in a few steps; in a
         batch whose verify pass is compute-bound drafting saves little per token, and 16 prompts fed at
-        once cost seconds. Until a catch-up has been timed, only the first such row catches up.
+        once cost seconds. Every catch-up stalls the whole batch and the saving is the batch's, so the
+        rows that catch up in one step share one saving: they are taken nearest first while it covers
+        them all. Until a catch-up has been timed, only the first such row catches up.
         """
-        keep, measuring = list(drafting), False
-        for row, (wants, sequence, k) in enumerate(zip(drafting, self.active, k_per_row)):
-            behind = self.draft.behind(row, sequence.tokens)
-            if not wants or behind <= LONG_TAIL:
+        keep, measuring, spent = list(drafting), False, 0.0
+        behind = {row: self.draft.behind(row, sequence.tokens) for row, sequence in enumerate(self.active)}
+        for row in sorted(range(len(self.active)), key=behind.__getitem__):
+            if not drafting[row] or behind[row] <= LONG_TAIL:
                 continue
             pays = self.controller.catch_up_pays(
-                behind, sequence.remaining, k, BatchedDraftModel.source, len(self.active)
+                behind[row], self.active[row].remaining, k_per_row[row], BatchedDraftModel.source,
+                len(self.active), spent,
             )
             if pays is None:
                 pays, measuring = not measuring, True
+            elif pays:
+                spent += behind[row] * self.controller.catch_up_per_token
             keep[row] = pays
         return keep
 
