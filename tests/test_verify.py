@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from laws import accept_all_verifier, frequency_mismatch
-from verispec.verify import PAD_ID, VerifyResult, verify
+from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.verify import PAD_ID, VerifyResult, verify, verify_greedy
 
 NUM_DRAWS = 60_000  # rows per statistical check; each row is one independent verification
 
@@ -198,6 +199,26 @@ def test_one_hot_targets_emit_the_argmax_without_a_draw_from_the_generator() -> 
     only_u = torch.Generator().manual_seed(13)
     torch.rand((2, 2), generator=only_u, dtype=torch.float32)  # verify's acceptance draws, nothing more
     assert torch.equal(generator.get_state(), only_u.get_state())
+
+
+@given(st.integers(0, 5), st.integers(0, 2**31 - 1), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_greedy_verify_from_scores_gives_verifys_tokens(k: int, seed: int, ties: bool) -> None:
+    """verify_greedy (the scheduler's greedy path) returns what verify does on the one-hot rows greedy makes of the
+    same scores: matching prefixes, rejections, the bonus token, and ties to the lowest index."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size = 6
+    logits = torch.randn(k + 1, vocab_size, generator=generator)  # (k+1, V)
+    if ties:
+        logits = logits.round()  # many rows with equal maxima
+    best = logits.argmax(-1)
+    drafts = best[:k].clone()  # (k,) right up to a random position, then anything
+    wrong_from = int(torch.randint(0, k + 1, (1,), generator=generator))
+    drafts[wrong_from:] = torch.randint(0, vocab_size, (k - wrong_from,), generator=generator)
+    p = logits_to_probs(logits[None], SamplingParams(temperature=0.0))  # (1, k+1, V)
+    result = verify(drafts[None], None, p, torch.Generator().manual_seed(0))
+    accepted = int(result.num_accepted[0])
+    assert verify_greedy(drafts, logits) == (accepted, result.token_ids[0, : accepted + 1].tolist())
 
 
 def test_batch_mixing_one_hot_and_spread_targets_keeps_both_laws() -> None:

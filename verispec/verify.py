@@ -87,6 +87,23 @@ def verify(
     return VerifyResult(token_ids=_assemble(x, num_accepted, final), num_accepted=num_accepted)
 
 
+def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    """`verify` for one greedy row with point-mass drafts, from the target's scores without building p.
+
+    draft_token_ids: (k,) ids. target_logits: (k+1, V) scores whose one-hot argmax rows (ties to the
+    lowest index) are p. A draft passes exactly when it is its row's argmax (u < p(x) / 1 with u in
+    [0, 1) and p one-hot), and the recovered or bonus token of a one-hot p is its argmax. So this gives
+    verify's tokens without its passes over the vocabulary, and draws nothing: a greedy row's output
+    never depends on its generator. Returns (accepted drafts, the accepted drafts then the final token).
+    """
+    best = target_logits.argmax(dim=-1).tolist()  # (k+1,) p's one token per position
+    drafts = draft_token_ids.tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return accepted, drafts[:accepted] + [best[accepted]]
+
+
 def _check_shapes(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor) -> None:
     """Raise ValueError unless the inputs are (B, k) ids, (B, k, V) q or None, and (B, k+1, V) p."""
     if draft_token_ids.dim() != 2:

@@ -53,7 +53,7 @@ from verispec.drafters.batch_draft import PAD_TOKEN, BatchedDraftModel
 from verispec.serving.prefix_cache import PrefixCache
 from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
-from verispec.verify import verify
+from verispec.verify import verify, verify_greedy
 
 if TYPE_CHECKING:
     from verispec.serving.metrics import ServerMetrics
@@ -855,10 +855,12 @@ class Scheduler:
         self, sequence: _Sequence, proposal: Proposal, logits: torch.Tensor
     ) -> tuple[int, list[int]]:
         """Accept/reject one row's drafts against its target scores (1 + k_b, V): (accepted drafts, new tokens)."""
+        params = sequence.config.sampling
+        if params.greedy and not params.transforms_scores and sequence.grammar is None and proposal.probs is None:
+            return verify_greedy(proposal.token_ids[0], logits)  # the same tokens, without one-hot rows of V
         allowed = None  # (1, 1 + k_b, V) under a grammar: its mask at every verified position
         if sequence.grammar is not None:
             allowed = sequence.grammar.masks_along(proposal.token_ids[0].tolist())[None]
-        params = sequence.config.sampling
         history = None  # penalties: the tokens before each verified position
         if params.penalized:
             history = TokenHistory(sequence.tokens + proposal.token_ids[0].tolist(), len(sequence.prompt_ids))
