@@ -1,0 +1,696 @@
+"""A draft head over the target's own hidden states (EAGLE-style), measured before it is built (issue 31 item 4).
+
+The question: can a drafter that costs <= 0.15 of a target forward be accepted often enough to pay on these
+CPUs? Candidates measured here, both over the target's own last-layer features so that none needs a model of
+its own:
+
+- **head**: one decoder layer (EAGLE-1's shape) that reads the target's normalized last hidden state f_t and
+  the embedding of the token the target chose next, x_{t+1}, and predicts f_{t+1}; the target's own output
+  head (restricted to the tokens the training data shows, q zero elsewhere: verification stays exact) turns
+  it into a draft token. Drafting on, it feeds its own predicted feature and its draft token back in.
+- **layer skip** (untrained): the target's first L layers, then its final norm and output head.
+
+Data recipe (all offline, from what the machine has):
+- text: the standard library's sources and pydoc topics (verispec.drafters.draft_vocab.corpus_files), in a
+  shuffled fixed order, in 256-token windows;
+- the target's own greedy answers (plain decoding, 128 tokens) to prompts that are not measured: HumanEval
+  and code-edit problems 16..79, and TRAIN_CHAT below (questions written for this study, none of chat.jsonl's);
+- measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
+  target greedily; each evaluated position sees the target's true features before it, as a drafter would.
+
+Everything the target computes runs in its served format (load_model quantize="auto"). The head trains in
+float32 with bfloat16 autocast. Commands (each step caches its output under --work):
+
+    python benchmarks/draft_head/study.py collect --work /tmp/draft-head
+    python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20
+    python benchmarks/draft_head/study.py evaluate --work /tmp/draft-head --out benchmarks/results/xeon/draft-head
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft model, compared at its first position
+WINDOW = 256  # tokens per teacher-forced window
+ANSWER_TOKENS = 128
+MEASURED = 16  # the first prompts of each workload, as bench-serve --limit 16 uses them
+TRAIN_PROMPTS = slice(16, 80)
+TRAIN_CHAT = [
+    "My laptop battery drains in two hours even when idle. What can I do about it?",
+    "How do I ask my manager for a raise without sounding demanding?",
+    "What is the difference between a Roth IRA and a traditional IRA?",
+    "Can you suggest a simple weekly meal plan for someone who is vegetarian?",
+    "My package tracking has said 'in transit' for nine days. Should I contact the seller?",
+    "Explain how a heat pump works to someone without an engineering background.",
+    "I want to start running. How should I plan my first month?",
+    "What should I pack for a three-day business trip in winter?",
+    "How do vaccines train the immune system?",
+    "My sourdough bread comes out dense. What am I doing wrong?",
+    "Write a polite email declining a meeting invitation because of a scheduling conflict.",
+    "What are good questions to ask at the end of a job interview?",
+    "How can I keep my houseplants alive while I am away for two weeks?",
+    "Explain the difference between weather and climate.",
+    "My phone says the storage is full. What can I safely delete?",
+    "How does compound interest work? Give a small example.",
+    "I was charged twice for the same order. How do I get one charge refunded?",
+    "What is a good way to learn a new language as a busy adult?",
+    "Why do cats knead blankets?",
+    "Give me tips for a first-time visit to Tokyo.",
+    "How do I change a flat tire safely?",
+    "Explain what an API is using a restaurant analogy.",
+    "What are the pros and cons of renting versus buying a home?",
+    "How do noise-cancelling headphones work?",
+    "My Wi-Fi keeps disconnecting in one room. How can I fix it?",
+    "Summarize the causes of the French Revolution in a few paragraphs.",
+    "How should I prepare for a long-haul flight to avoid jet lag?",
+    "What is the best way to clean a cast iron pan?",
+    "How can a small team run better meetings?",
+    "Explain photosynthesis to a ten-year-old.",
+    "I forgot the password of my router's admin page. What are my options?",
+    "Which documents do I need to renew a passport, typically?",
+]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the target's features
+
+
+class FeatureTap:
+    """Teacher-forces token windows through the target and keeps, per position, its last hidden state (before the
+    final norm), its next-token argmax, and the hidden state after chosen early layers (layer skip)."""
+
+    def __init__(self, loaded, early_layers: tuple[int, ...] = ()) -> None:
+        self.loaded, self.model = loaded, loaded.model
+        self.early_layers = early_layers
+        self._last: torch.Tensor | None = None
+        self._early: dict[int, torch.Tensor] = {}
+        model = self.model
+        original_logits = model._logits
+
+        def logits(x):
+            self._last = x.detach()
+            return original_logits(x)
+
+        def layers(x, attend):  # Transformer._layers, copying x after the early layers
+            from verispec.models.transformer import ACTIVATIONS, rms_norm
+
+            eps = model.config.rms_norm_eps
+            activation = ACTIVATIONS[model.config.hidden_act]
+            for index, layer in enumerate(model.layers):
+                attended = layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
+                if layer.post_attn_norm is not None:
+                    attended = rms_norm(attended, layer.post_attn_norm, eps)
+                x = x + attended
+                gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)
+                mixed = layer.down(activation(gate).mul_(up))
+                if layer.post_mlp_norm is not None:
+                    mixed = rms_norm(mixed, layer.post_mlp_norm, eps)
+                x = x + mixed
+                if index + 1 in self.early_layers:
+                    self._early[index + 1] = x.detach().clone()
+            return x
+
+        model._logits, model._layers = logits, layers
+
+    def run(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        """One sequence teacher-forced in WINDOW-token forwards: features (T, C) bf16, argmax (T,), early layers'
+        hidden states (T, C) each."""
+        cache = self.model.new_cache(1, len(ids) + 1)
+        features, argmax, early = [], [], {layer: [] for layer in self.early_layers}
+        for start in range(0, len(ids), WINDOW):
+            chunk = ids[start : start + WINDOW]
+            logits = self.model.forward(torch.tensor([chunk]), cache)  # (1, T, V)
+            cache.commit(len(chunk))
+            argmax.append(logits[0].argmax(-1))
+            features.append(self._last[0].to(torch.bfloat16))
+            for layer in self.early_layers:
+                early[layer].append(self._early[layer][0].to(torch.bfloat16))
+        out = {"ids": torch.tensor(ids), "features": torch.cat(features), "argmax": torch.cat(argmax)}
+        for layer, parts in early.items():
+            out[f"early{layer}"] = torch.cat(parts)
+        return out
+
+
+def answers(loaded, prompts: list[list[int]]) -> list[list[int]]:
+    """The target's greedy answers (ANSWER_TOKENS) to the encoded prompts: plain decoding, 16 rows at a time."""
+    from verispec.engine import GenerationConfig
+    from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+    scheduler = Scheduler(loaded, None, "none", k=0, limits=SchedulerLimits(16, 1024, 2048))
+    handles = [scheduler.submit(ids, GenerationConfig(max_new_tokens=ANSWER_TOKENS)) for ids in prompts]
+    while scheduler.run_once():
+        pass
+    outs = []
+    for handle in handles:
+        tokens = []
+        for event in handle.iter_events():
+            tokens.extend(event.token_ids or [])
+        outs.append(tokens)
+    return outs
+
+
+def encoded_prompts(loaded, items: list[dict]) -> list[list[int]]:
+    texts = []
+    for item in items:
+        if "messages" in item:
+            texts.append(
+                loaded.tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
+            )
+        else:
+            texts.append(item["prompt"])
+    return [loaded.encode(text) for text in texts]
+
+
+def corpus_windows(tokenizer, tokens_wanted: int, seed: int = 0) -> list[list[int]]:
+    from verispec.drafters.draft_vocab import corpus_files
+
+    files = corpus_files()
+    random.Random(seed).shuffle(files)
+    windows, total = [], 0
+    for path in files:
+        ids = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+        for start in range(0, len(ids) - WINDOW // 2, WINDOW):  # at most two windows a file: more files
+            windows.append(ids[start : start + WINDOW])
+            total += len(windows[-1])
+            if start >= WINDOW:
+                break
+        if total >= tokens_wanted:
+            break
+    return windows
+
+
+def cmd_collect(args) -> None:
+    from verispec.bench.workloads import load_workload
+    from verispec.models.loading import load_model
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(TARGET, quantize="auto")
+    log(f"target {TARGET} as {loaded.format.label}")
+    tap = FeatureTap(loaded, tuple(args.early_layers))
+    sets = {}
+    for name in ("humaneval", "chat", "code-edit"):
+        items = load_workload(name)
+        sets[f"eval-{name}"] = encoded_prompts(loaded, items[:MEASURED])
+        if name != "chat":
+            sets[f"train-{name}"] = encoded_prompts(loaded, items[TRAIN_PROMPTS])
+    sets["train-chat"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]} for q in TRAIN_CHAT])
+    for name, prompts in sets.items():
+        path = work / f"{name}.pt"
+        if path.exists():
+            continue
+        started = time.perf_counter()
+        outs = answers(loaded, prompts)
+        log(f"{name}: {len(prompts)} answers, {sum(map(len, outs))} tokens in {time.perf_counter() - started:.0f} s")
+        started = time.perf_counter()
+        rows = [dict(tap.run(p + o), answer_start=len(p)) for p, o in zip(prompts, outs)]
+        tokens = sum(len(r["ids"]) for r in rows)
+        log(f"{name}: features of {tokens} tokens in {time.perf_counter() - started:.0f} s")
+        torch.save(rows, path)
+    path = work / ("train-text.pt" if args.text_seed == 0 else f"train-text-{args.text_seed}.pt")
+    if not path.exists():
+        started = time.perf_counter()
+        windows = corpus_windows(loaded.tokenizer, args.text_tokens, args.text_seed)
+        rows = []
+        for i, window in enumerate(windows):
+            rows.append(dict(tap.run(window), answer_start=0))
+            if i % 50 == 0:
+                log(f"text: {i}/{len(windows)} windows, {time.perf_counter() - started:.0f} s")
+        log(f"text: {sum(len(w) for w in windows)} tokens in {time.perf_counter() - started:.0f} s")
+        torch.save(rows, path)
+
+
+# ---------------------------------------------------------------- the head
+
+
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class DraftHead(torch.nn.Module):
+    """fc([rms(f_t), emb(x_{t+1})]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}).
+
+    The target's embedding, final norm and output head (restricted to `vocab` ids) are frozen buffers."""
+
+    def __init__(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor,
+                 heads: int, intermediate: int, rope_theta: float) -> None:
+        super().__init__()
+        width = embed.shape[1]
+        self.register_buffer("embed", embed, persistent=False)  # (V, C)
+        self.register_buffer("final_norm", final_norm, persistent=False)  # (C,)
+        self.register_buffer("head", head[vocab], persistent=False)  # (V', C)
+        self.register_buffer("vocab", vocab)  # (V',) target ids of the head's rows
+        self.heads, self.head_dim = heads, width // heads
+        self.fc = torch.nn.Linear(2 * width, width, bias=False)
+        self.attn_norm = torch.nn.Parameter(torch.ones(width))
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=True)
+        self.out = torch.nn.Linear(width, width, bias=False)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(width))
+        self.gate_up = torch.nn.Linear(width, 2 * intermediate, bias=False)
+        self.down = torch.nn.Linear(intermediate, width, bias=False)
+        self.rope_theta = rope_theta
+        with torch.no_grad():  # start near "the next feature is this one": fc passes rms(f_t) on
+            self.fc.weight.zero_()
+            self.fc.weight[:, :width].copy_(torch.eye(width))
+            self.fc.weight[:, width:].normal_(0, 0.02)
+            for linear in (self.qkv, self.out, self.gate_up, self.down):
+                linear.weight.normal_(0, 0.02)
+            self.out.weight.mul_(0.1)
+            self.down.weight.mul_(0.1)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.head_dim // 2
+        inv = self.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
+        angles = positions.float()[:, None] * inv[None]  # (T, D/2)
+        return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized features and (...,) next token ids -> the layer's input (..., C)."""
+        return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,)."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        cos, sin = self.rotary(positions)
+        q, k = self.rotate(q.transpose(1, 2), cos, sin), self.rotate(k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual, MLP and the normalized predicted feature (B, T, C)."""
+        b, t, _ = x.shape
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
+        x = x + self.down(F.silu(gate) * up)
+        return rms(x)
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: features (B, T, C) normalized f_0..f_{T-1}, next_ids (B, T) x_1..x_T -> predicted
+        normalized f_1..f_T (B, T, C)."""
+        x = self.layer_input(features, next_ids)
+        q, k, v = self.project(x, torch.arange(x.shape[1]))
+        return self.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized features -> (..., V') scores over the head's tokens."""
+        return (predicted * self.final_norm) @ self.head.T
+
+
+def load_rows(work: Path, names: list[str]) -> list[dict]:
+    rows = []
+    for name in names:
+        rows.extend(torch.load(work / f"{name}.pt"))
+    return rows
+
+
+def training_pairs(rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Windows of WINDOW positions t of each row: inputs (normalized f_t, x_{t+1}), targets (normalized f_{t+1},
+    the target's argmax at t+1: the token it chooses after x_{t+1})."""
+    pairs = []
+    for row in rows:
+        f = rms(row["features"].float())
+        ids, argmax = row["ids"], row["argmax"]
+        for start in range(0, len(ids) - 1, WINDOW):
+            stop = min(start + WINDOW, len(ids) - 1)
+            if stop - start < 8:
+                continue
+            # input at t: (f_t, x_{t+1}); output: f_{t+1}, whose head gives the target's choice after x_{t+1}
+            after = slice(start + 1, stop + 1)
+            pairs.append((f[start:stop], ids[after], f[after], argmax[after]))
+    return pairs
+
+
+def build_head(loaded, vocab: torch.Tensor, intermediate: int) -> DraftHead:
+    model = loaded.model
+    embed = model.embed.float()
+    head = model.lm_head.weight.float()  # (V, C): the embedding where the head is tied; the model is dense here
+    config = model.config
+    return DraftHead(embed, model.final_norm.float(), head, vocab, config.num_heads, intermediate, config.rope_theta)
+
+
+def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(row["argmax"], minlength=vocab_size)[:vocab_size]
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+def cmd_train(args) -> None:
+    from verispec.models.loading import load_model
+
+    work = Path(args.work)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    loaded = load_model(TARGET)  # dense weights: the embedding, norm and head in the compute dtype
+    texts = sorted(path.stem for path in work.glob("train-text*.pt"))  # every text collected (--text-seed)
+    rows = load_rows(work, texts + ["train-humaneval", "train-code-edit", "train-chat"])
+    vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
+    head = build_head(loaded, vocab, args.intermediate)
+    index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    pairs = training_pairs(rows)
+    tokens = sum(len(p[1]) for p in pairs)
+    covered = sum(int((index[p[3]] >= 0).sum()) for p in pairs) / tokens
+    log(f"{len(pairs)} windows, {tokens} positions; head of {len(vocab)} tokens covers {covered:.1%} of the labels")
+    params = [p for p in head.parameters() if p.requires_grad]
+    log(f"{sum(p.numel() for p in params) / 1e6:.1f}M trained parameters")
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    deadline = time.perf_counter() + args.minutes * 60
+    started, step, seen = time.perf_counter(), 0, 0
+    history = []
+    order = list(range(len(pairs)))
+    epoch = 0
+    while time.perf_counter() < deadline:
+        random.Random(epoch).shuffle(order)
+        for start in range(0, len(order), args.batch):
+            if time.perf_counter() >= deadline:
+                break
+            batch = [pairs[i] for i in order[start : start + args.batch]]
+            length = min(len(b[1]) for b in batch)
+            f, nxt, f_next, labels = (torch.stack([b[j][:length] for b in batch]) for j in range(4))
+            elapsed = time.perf_counter() - started
+            fraction = min(elapsed / (args.minutes * 60), 1.0)
+            for group in optimizer.param_groups:  # warm up, then cosine to a tenth, over the time budget
+                warm = min(1.0, (step + 1) / 30)
+                group["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                predicted = head(f, nxt)
+                logits = head.logits(predicted)
+            regression = F.smooth_l1_loss(predicted.float(), f_next, beta=0.1)
+            classification = F.cross_entropy(logits.float().flatten(0, 1), index[labels].flatten(), ignore_index=-100)
+            loss = regression + args.ce_weight * classification
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            seen += labels.numel()
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == index[labels]).float().mean().item()
+            history.append((regression.item(), classification.item(), hit))
+            if step % 20 == 0:
+                recent = history[-20:]
+                regression_mean = statistics.mean(r for r, _, _ in recent)
+                ce_mean, hit_mean = statistics.mean(c for _, c, _ in recent), statistics.mean(h for _, _, h in recent)
+                log(f"epoch {epoch} step {step}: regression {regression_mean:.3f} ce {ce_mean:.3f} "
+                    f"top-1 {hit_mean:.3f} "
+                    f"({seen / (time.perf_counter() - started):.0f} positions/s)")
+        epoch += 1
+    state = {k: v for k, v in head.state_dict().items()}
+    torch.save({"state": state, "vocab": vocab, "intermediate": args.intermediate, "steps": step, "positions": seen,
+                "epochs": epoch, "minutes": args.minutes, "train_positions": tokens, "label_coverage": covered},
+               work / "head.pt")
+    log(f"saved after {step} steps, {seen} positions, {epoch} epochs")
+
+
+# ---------------------------------------------------------------- measuring it
+
+
+@torch.no_grad()
+def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
+    """For every position t of the answer: the head's `depth` greedy drafts after the target chose x_{t+1},
+    seeing the target's true features up to t. Returns (N, depth) target ids, for t = answer_start-1 .. T-2."""
+    f = rms(row["features"].float())  # (T, C)
+    ids = row["ids"]
+    T = len(ids)
+    first = row["answer_start"] - 1  # the last prompt position: its x_{t+1} is the first answer token
+    x = head.layer_input(f[None, : T - 1], ids[None, 1:T])  # (1, T-1, C) inputs at t = 0 .. T-2
+    positions = torch.arange(T - 1)
+    q, k, v = head.project(x, positions)  # (1, H, T-1, D)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    predicted = head.finish(x, attended)[0]  # (T-1, C): predicted f_{t+1}
+    queries = torch.arange(first, T - 1)  # (N,)
+    n = len(queries)
+    drafts = torch.zeros(n, depth, dtype=torch.long)
+    token = head.vocab[head.logits(predicted[queries]).argmax(-1)]  # (N,) draft for x_{t+2}
+    drafts[:, 0] = token
+    feature = predicted[queries]  # (N, C)
+    chain_k, chain_v = [], []
+    mask = positions[None, :] <= queries[:, None]  # (N, T-1): true keys each chain sees
+    for d in range(1, depth):
+        # input at position t + d: (predicted f_{t+d}, draft x_{t+d+1})
+        xi = head.layer_input(feature[:, None], token[:, None])  # (N, 1, C)
+        qi, ki, vi = _project_rows(head, xi, queries + d)
+        chain_k.append(ki)
+        chain_v.append(vi)
+        keys = torch.cat([k[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_k, 2).transpose(1, 2)], 1)
+        values = torch.cat([v[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_v, 2).transpose(1, 2)], 1)
+        # keys: (N, S, H, D) with S = T-1 + d
+        visible = torch.cat([mask, torch.ones(n, d, dtype=torch.bool)], 1)  # (N, S)
+        scores = torch.einsum("nhd,nshd->nhs", qi[:, :, 0], keys) / head.head_dim**0.5
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        out = torch.einsum("nhs,nshd->nhd", scores.softmax(-1), values)  # (N, H, D)
+        feature = head.finish(xi, out[:, :, None])[:, 0]  # (N, C)
+        token = head.vocab[head.logits(feature).argmax(-1)]
+        drafts[:, d] = token
+    return drafts
+
+
+def _project_rows(head: DraftHead, x: torch.Tensor, positions: torch.Tensor):
+    """x (N, 1, C) at its own position each -> q, k, v (N, H, 1, D)."""
+    n = x.shape[0]
+    q, k, v = head.qkv(rms(x) * head.attn_norm).view(n, 1, 3, head.heads, head.head_dim).unbind(2)
+    cos, sin = head.rotary(positions)  # (N, D)
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    return head.rotate(q.transpose(1, 2), cos, sin), head.rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+def greedy_steps(truth: torch.Tensor, drafts: torch.Tensor, k: int) -> tuple[int, int]:
+    """Speculative decoding over the answer with chain k: (target forwards, tokens). truth: (N + 1,) answer ids
+    x_{first+1} .., drafts[i]: the chain after truth[i] was chosen."""
+    i, forwards, n = 0, 0, len(truth)
+    while i < n:
+        forwards += 1
+        accepted = 0
+        while accepted < k and i + 1 + accepted < n and int(drafts[i, accepted]) == int(truth[i + 1 + accepted]):
+            accepted += 1
+        i += accepted + 1
+    return forwards, n
+
+
+def position_acceptance(truth: torch.Tensor, drafts: torch.Tensor) -> list[float]:
+    """alpha_i: P(draft i right | drafts before it right), over every answer position."""
+    n, depth = drafts.shape
+    right = torch.zeros(n, depth, dtype=torch.bool)
+    for d in range(depth):
+        idx = torch.arange(n) + 1 + d
+        valid = idx < len(truth)
+        right[valid, d] = drafts[valid, d] == truth[idx[valid]]
+    alphas, alive = [], torch.ones(n, dtype=torch.bool)
+    for d in range(depth):
+        valid = alive & (torch.arange(n) + 1 + d < len(truth))
+        alphas.append(float(right[valid, d].float().mean()) if valid.any() else float("nan"))
+        alive = valid & right[:, d]
+    return alphas
+
+
+@torch.no_grad()
+def first_position_agreement(model, row: dict) -> tuple[int, int]:
+    """How often a model's own argmax after the answer's committed prefix is the target's next answer token:
+    (hits, positions), teacher-forced; a draft model's first-position acceptance under greedy decoding."""
+    ids = row["ids"].tolist()
+    cache = model.new_cache(1, len(ids) + 1)
+    best = []
+    for start in range(0, len(ids), WINDOW):
+        chunk = ids[start : start + WINDOW]
+        best.append(model.forward(torch.tensor([chunk]), cache)[0].argmax(-1))
+        cache.commit(len(chunk))
+    best = torch.cat(best)  # (T,) its choice after each position
+    start = row["answer_start"]
+    guesses, truth = best[start : len(ids) - 1], row["ids"][start + 1 :]  # after x_P .. x_{T-2}
+    return int((guesses == truth).sum()), len(truth)
+
+
+def time_forward(function, repeats: int = 30) -> float:
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def head_cost(head: DraftHead, target_model, context: int = 256) -> dict:
+    """One draft position's cost in the served formats: the layer's and head's matmuls as verispec Linears in
+    the target's weight format, attention over `context` cached keys; and the target's one-token forward."""
+    from verispec.models.linear import Linear
+
+    fmt = target_model.weight_format
+    width = head.embed.shape[1]
+
+    def linear(weight):
+        lin = Linear(weight.detach().to(target_model.dtype).contiguous())
+        lin.quantize(fmt, target_model.activations)
+        return lin
+
+    fc, qkv, out = linear(head.fc.weight), linear(head.qkv.weight), linear(head.out.weight)
+    gate_up, down, lm = linear(head.gate_up.weight), linear(head.down.weight), linear(head.head)
+    keys = torch.randn(1, head.heads, context, head.head_dim, dtype=target_model.dtype)
+    x = torch.randn(1, 2 * width, dtype=target_model.dtype)
+
+    @torch.inference_mode()
+    def step():
+        h = fc(x)
+        q, _ = qkv(h).split([width, 2 * width], -1)
+        a = F.scaled_dot_product_attention(q.view(1, head.heads, 1, head.head_dim), keys, keys)
+        h = h + out(a.reshape(1, width))
+        g, u = gate_up(h).chunk(2, -1)
+        h = h + down(F.silu(g) * u)
+        return lm(h).argmax(-1)
+
+    cache = target_model.new_cache(1, context + 8)
+    target_model.prefill(list(range(1000, 1000 + context)), cache)
+
+    def target_step():
+        target_model.forward(torch.tensor([[42]]), cache)
+
+    head_seconds = time_forward(step)
+    target_seconds = time_forward(target_step, 15)
+    return {"format": fmt, "head_ms": head_seconds * 1e3, "target_ms": target_seconds * 1e3,
+            "fraction": head_seconds / target_seconds}
+
+
+def cmd_evaluate(args) -> None:
+    from verispec.models.loading import load_model
+
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    saved = torch.load(work / "head.pt")
+    dense = load_model(TARGET)
+    head = build_head(dense, saved["vocab"], saved["intermediate"])
+    head.load_state_dict(saved["state"], strict=False)
+    head.eval()
+    results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {}}
+    results["training"]["head_tokens"] = len(saved["vocab"])
+    served = load_model(TARGET, quantize="auto")
+    draft = load_model(DRAFT, quantize="w4a8") if args.draft_model else None
+    for name in ("humaneval", "chat", "code-edit"):
+        rows = torch.load(work / f"eval-{name}.pt")
+        depth = args.depth
+        alphas, forwards, tokens = [], {k: 0 for k in range(1, depth + 1)}, 0
+        skip = {}
+        for row in rows:
+            truth = row["ids"][row["answer_start"] :]
+            drafts = chains(head, row, depth)
+            alphas.append((len(truth), position_acceptance(truth, drafts)))
+            for k in forwards:
+                f, n = greedy_steps(truth, drafts, k)
+                forwards[k] += f
+            tokens += len(truth)
+            for key in row:
+                if key.startswith("early"):
+                    layer = int(key[5:])
+                    hidden = row[key][row["answer_start"] - 1 : -1].float()
+                    early_logits = (rms(hidden) * dense.model.final_norm.float()) @ dense.model.lm_head.weight.float().T
+                    hit = (early_logits.argmax(-1) == truth).float()
+                    total, count = skip.get(layer, (0.0, 0))
+                    skip[layer] = (total + float(hit.sum()), count + len(truth))
+        if draft is not None:
+            hits = [first_position_agreement(draft.model, row) for row in rows]
+            agreement = sum(h for h, _ in hits) / sum(n for _, n in hits)
+            results.setdefault("draft_model_first_position", {})[name] = agreement
+        weight = sum(n for n, _ in alphas)
+        per_position = [sum(n * a[d] for n, a in alphas if not math.isnan(a[d])) / weight for d in range(depth)]
+        results["workloads"][name] = {
+            "answer_tokens": tokens,
+            "alpha_by_position": per_position,
+            "tokens_per_forward": {k: tokens / f for k, f in forwards.items()},
+            "layer_skip_first_position": {layer: hits / count for layer, (hits, count) in sorted(skip.items())},
+        }
+        log(f"{name}: alpha {[round(a, 2) for a in per_position]}, tokens/forward "
+            f"{ {k: round(tokens / f, 2) for k, f in forwards.items()} }")
+    results["cost"] = head_cost(head, served.model)
+    log(f"cost {results['cost']}")
+    from verispec.bench.machine import machine_description
+
+    results["machine"] = machine_description()
+    results["command"] = " ".join(sys.argv)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def cmd_price(args) -> None:
+    """Markdown rows: each run's chain k priced from whole forwards timed side by side (tree-potential's run.json:
+    the target's forward by new tokens) and the head's measured cost, against a plain step; forwards alone, no
+    sampling or Python (an upper bound, as tree-potential's)."""
+    forward = {int(k): v for k, v in json.loads(Path(args.forwards).read_text())["forward_ms"]["target"].items()}
+
+    def target_ms(tokens: int) -> float:
+        if tokens in forward:
+            return forward[tokens]
+        low = max(t for t in forward if t < tokens)
+        high = min(t for t in forward if t > tokens)
+        return forward[low] + (forward[high] - forward[low]) * (tokens - low) / (high - low)
+
+    print("| run | workload | alpha by position | k | tokens / forward | x plain |")
+    print("|---|---|---|---|---|---|")
+    for path in args.runs:
+        results = json.loads(Path(path).read_text())
+        head_ms = results["cost"]["head_ms"]
+        for name, measured in results["workloads"].items():
+            speedups = {
+                int(k): tokens * forward[1] / (int(k) * head_ms + target_ms(int(k) + 1))
+                for k, tokens in measured["tokens_per_forward"].items()
+            }
+            k = max(speedups, key=speedups.get)
+            alphas = " / ".join(f"{a:.2f}" for a in measured["alpha_by_position"])
+            tokens = measured["tokens_per_forward"][str(k)]
+            print(f"| {Path(path).parent.name} | {name} | {alphas} | {k} | {tokens:.2f} | {speedups[k]:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    collect = commands.add_parser("collect")
+    collect.add_argument("--text-tokens", type=int, default=100_000)
+    collect.add_argument("--text-seed", type=int, default=0,
+                         help="another seed draws other files: more text beside what is collected (train-text-SEED)")
+    collect.add_argument("--early-layers", type=int, nargs="*", default=[4, 8, 14, 21])
+    train = commands.add_parser("train")
+    train.add_argument("--minutes", type=float, default=20)
+    train.add_argument("--vocab", type=int, default=32768)
+    train.add_argument("--intermediate", type=int, default=4096)
+    train.add_argument("--batch", type=int, default=8)
+    train.add_argument("--lr", type=float, default=5e-4)
+    train.add_argument("--ce-weight", type=float, default=0.1)
+    evaluate = commands.add_parser("evaluate")
+    evaluate.add_argument("--out", required=True)
+    evaluate.add_argument("--depth", type=int, default=6)
+    evaluate.add_argument("--draft-model", action=argparse.BooleanOptionalAction, default=True,
+                          help="also measure the default draft model's first-position agreement")
+    price = commands.add_parser("price")
+    price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
+    price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
+    for command in (collect, train, evaluate):
+        command.add_argument("--work", required=True)
+        command.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price}
+    commands[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
