@@ -274,9 +274,10 @@ class DraftHead(torch.nn.Module):
             self.down.weight.mul_(0.1)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., D) at positions (...)."""
         half = self.head_dim // 2
         inv = self.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
-        angles = positions.float()[:, None] * inv[None]  # (T, D/2)
+        angles = positions.float()[..., None] * inv  # (..., D/2)
         return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
     @staticmethod
@@ -290,10 +291,12 @@ class DraftHead(torch.nn.Module):
         return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,)."""
+        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,) shared by the rows, or (B, T) each row's."""
         b, t, _ = x.shape
         q, k, v = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim).unbind(2)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions)  # (T, D) or (B, T, D)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
         q, k = self.rotate(q.transpose(1, 2), cos, sin), self.rotate(k.transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)
 
@@ -451,7 +454,7 @@ def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
     for d in range(1, depth):
         # input at position t + d: (predicted f_{t+d}, draft x_{t+d+1})
         xi = head.layer_input(feature[:, None], token[:, None])  # (N, 1, C)
-        qi, ki, vi = _project_rows(head, xi, queries + d)
+        qi, ki, vi = head.project(xi, (queries + d)[:, None])  # (N, H, 1, D) each, at its own position
         chain_k.append(ki)
         chain_v.append(vi)
         keys = torch.cat([k[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_k, 2).transpose(1, 2)], 1)
@@ -465,15 +468,6 @@ def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
         token = head.vocab[head.logits(feature).argmax(-1)]
         drafts[:, d] = token
     return drafts
-
-
-def _project_rows(head: DraftHead, x: torch.Tensor, positions: torch.Tensor):
-    """x (N, 1, C) at its own position each -> q, k, v (N, H, 1, D)."""
-    n = x.shape[0]
-    q, k, v = head.qkv(rms(x) * head.attn_norm).view(n, 1, 3, head.heads, head.head_dim).unbind(2)
-    cos, sin = head.rotary(positions)  # (N, D)
-    cos, sin = cos[:, None, None], sin[:, None, None]
-    return head.rotate(q.transpose(1, 2), cos, sin), head.rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
 
 def greedy_steps(truth: torch.Tensor, drafts: torch.Tensor, k: int) -> tuple[int, int]:
