@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from verispec.drafters.draft_head import DraftHead, rms, save_head
+
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft model, compared at its first position
 WINDOW = 256  # tokens per teacher-forced window
@@ -236,88 +238,6 @@ def cmd_collect(args) -> None:
 
 
 # ---------------------------------------------------------------- the head
-
-
-def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-class DraftHead(torch.nn.Module):
-    """fc([rms(f_t), emb(x_{t+1})]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}).
-
-    The target's embedding, final norm and output head (restricted to `vocab` ids) are frozen buffers."""
-
-    def __init__(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor,
-                 heads: int, intermediate: int, rope_theta: float) -> None:
-        super().__init__()
-        width = embed.shape[1]
-        self.register_buffer("embed", embed, persistent=False)  # (V, C)
-        self.register_buffer("final_norm", final_norm, persistent=False)  # (C,)
-        self.register_buffer("head", head[vocab], persistent=False)  # (V', C)
-        self.register_buffer("vocab", vocab)  # (V',) target ids of the head's rows
-        self.heads, self.head_dim = heads, width // heads
-        self.fc = torch.nn.Linear(2 * width, width, bias=False)
-        self.attn_norm = torch.nn.Parameter(torch.ones(width))
-        self.qkv = torch.nn.Linear(width, 3 * width, bias=True)
-        self.out = torch.nn.Linear(width, width, bias=False)
-        self.mlp_norm = torch.nn.Parameter(torch.ones(width))
-        self.gate_up = torch.nn.Linear(width, 2 * intermediate, bias=False)
-        self.down = torch.nn.Linear(intermediate, width, bias=False)
-        self.rope_theta = rope_theta
-        with torch.no_grad():  # start near "the next feature is this one": fc passes rms(f_t) on
-            self.fc.weight.zero_()
-            self.fc.weight[:, :width].copy_(torch.eye(width))
-            self.fc.weight[:, width:].normal_(0, 0.02)
-            for linear in (self.qkv, self.out, self.gate_up, self.down):
-                linear.weight.normal_(0, 0.02)
-            self.out.weight.mul_(0.1)
-            self.down.weight.mul_(0.1)
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (..., D) at positions (...)."""
-        half = self.head_dim // 2
-        inv = self.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
-        angles = positions.float()[..., None] * inv  # (..., D/2)
-        return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * cos + rotated * sin
-
-    def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """(..., C) normalized features and (...,) next token ids -> the layer's input (..., C)."""
-        return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1))
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,) shared by the rows, or (B, T) each row's."""
-        b, t, _ = x.shape
-        q, k, v = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim).unbind(2)
-        cos, sin = self.rotary(positions)  # (T, D) or (B, T, D)
-        if positions.dim() == 2:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        q, k = self.rotate(q.transpose(1, 2), cos, sin), self.rotate(k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
-
-    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual, MLP and the normalized predicted feature (B, T, C)."""
-        b, t, _ = x.shape
-        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
-        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
-        x = x + self.down(F.silu(gate) * up)
-        return rms(x)
-
-    def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced: features (B, T, C) normalized f_0..f_{T-1}, next_ids (B, T) x_1..x_T -> predicted
-        normalized f_1..f_T (B, T, C)."""
-        x = self.layer_input(features, next_ids)
-        q, k, v = self.project(x, torch.arange(x.shape[1]))
-        return self.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """(..., C) normalized features -> (..., V') scores over the head's tokens."""
-        return (predicted * self.final_norm) @ self.head.T
 
 
 def load_rows(work: Path, names: list[str]) -> list[dict]:
@@ -655,6 +575,18 @@ def cmd_price(args) -> None:
             print(f"| {Path(path).parent.name} | {name} | {alphas} | {k} | {tokens:.2f} | {speedups[k]:.2f}x |")
 
 
+def cmd_export(args) -> None:
+    from verispec.models.loading import load_model
+
+    saved = torch.load(Path(args.work) / "head.pt")
+    loaded = load_model(TARGET)
+    head = build_head(loaded, saved["state"]["vocab"], saved["intermediate"])
+    head.load_state_dict(saved["state"])
+    about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
+    save_head(head, Path(args.out), TARGET, about)
+    log(f"wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -675,14 +607,17 @@ def main() -> None:
     evaluate.add_argument("--depth", type=int, default=6)
     evaluate.add_argument("--draft-model", action=argparse.BooleanOptionalAction, default=True,
                           help="also measure the default draft model's first-position agreement")
+    export = commands.add_parser("export", help="the trained head as a head file the engine loads (--draft FILE)")
+    export.add_argument("--out", required=True, help="a .safetensors path (make head: ~/.cache/verispec/heads/...)")
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
-    for command in (collect, train, evaluate):
+    for command in (collect, train, evaluate, export):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price}
+    commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price,
+                "export": cmd_export}
     commands[args.command](args)
 
 

@@ -12,6 +12,7 @@ from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.prompt_lookup import PromptLookupDrafter
 from verispec.drafters.draft_format import QUANTIZATIONS, draft_candidates, quantize_draft
+from verispec.drafters.draft_head import HEAD_DRAFT, is_head_spec, load_head
 from verispec.drafters.draft_vocab import trim_head
 from verispec.drafters.suffix_index import SuffixIndexDrafter
 from verispec.models.loading import LoadedModel, load_model
@@ -91,7 +92,8 @@ def make_drafter(
 ) -> Drafter | None:
     """Build a drafter by name (see DRAFTERS); "none" means plain decoding.
 
-    draft-model: a same-tokenizer model (`draft`). prompt-lookup / suffix-index: no model
+    draft-model: a same-tokenizer model (`draft`), or a draft head over the target's hidden states (`draft`
+    "head": the target's, built by `make head`; or a head file: see draft_head). prompt-lookup / suffix-index: no model
     (suffix-index also indexes `corpus` files or directories). cross-tokenizer: a model with its own
     tokenizer (`draft`). composite: the suffix index first (it beat prompt lookup on code-edit, see
     benchmarks/results/zen5/code-edit), then the draft model (same tokenizer) or the cross-tokenizer model
@@ -109,6 +111,13 @@ def make_drafter(
         return SuffixIndexDrafter()
     if draft is None or draft.lower() == "none":
         raise ValueError(f"drafter {kind!r} needs a draft model: pass --draft NAME_OR_PATH")
+    if is_head_spec(draft) and kind in ("draft-model", "composite"):
+        head = DraftModelDrafter(load_head(draft, target), target.model.vocab_size)
+        return head if kind == "draft-model" else CompositeDrafter([composite_lookup(), head])
+    if is_head_spec(draft):
+        raise ValueError(
+            f"drafter {kind!r} drafts with a model of its own; a draft head runs as draft-model or composite"
+        )
     if kind == "draft-model":
         return load_draft_model(draft, target, dtype, quantize, progress, vocab)
     model = load_model(draft, dtype, progress)
@@ -130,7 +139,8 @@ def composite_lookup() -> SuffixIndexDrafter:
 
 
 __all__ = [
-    "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
+    "CompositeDrafter", "CrossTokenizerDrafter", "DRAFTERS", "HEAD_DRAFT", "is_head_spec", "load_head",
+    "Drafter", "DraftModelDrafter", "PromptLookupDrafter",
     "DEFAULT_DRAFTER", "Proposal", "SuffixIndexDrafter", "check_same_vocabulary", "composite_lookup", "drafter_for",
     "draft_candidates", "draft_model_drafter", "load_draft_model", "make_drafter", "quantize_draft", "same_vocabulary",
 ]

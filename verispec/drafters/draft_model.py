@@ -1,5 +1,8 @@
 """Chain drafting with a small model of the target's family (same tokenizer), for one request.
 
+Its model may be a draft head over the target's hidden states (draft_head.HeadLayer) instead: the engine
+then drafts with it through the step, which hands the head those states (batch_head).
+
 A batch of one of the batched draft model (`BatchedDraftModel`), the one draft-model implementation:
 the engine and the server draft through the same code. The draft may be made cheaper than its
 checkpoint (weight-only or w4a8 quantization, a restricted output vocabulary): the output stays the
@@ -19,6 +22,7 @@ from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from verispec.drafters.draft_head import HeadLayer
     from verispec.grammar import Grammar
 
 
@@ -26,7 +30,7 @@ class DraftModelDrafter:
     source = "draft-model"
     drafts_under_grammar = True  # propose takes a grammar (see Drafter)
 
-    def __init__(self, model: Transformer, target_vocab_size: int, lazy_prefill: bool = False) -> None:
+    def __init__(self, model: "Transformer | HeadLayer", target_vocab_size: int, lazy_prefill: bool = False) -> None:
         self.model = model
         self.lazy_prefill = lazy_prefill  # prefill on first use: a fallback drafter may never be asked
         self.target_vocab_size = target_vocab_size  # q is reported over the target's vocabulary
@@ -34,6 +38,8 @@ class DraftModelDrafter:
         self.prompt_length = 0  # where generated tokens start (penalties count them)
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
+        if not isinstance(self.model, Transformer):
+            raise TypeError("a draft head drafts from the target's hidden states: run it through SpeculativeEngine")
         self.batch = BatchedDraftModel(self.model, self.target_vocab_size, 1, max_length + 1)
         self.batch.add(0)
         self.prompt_length = len(prompt_ids)

@@ -448,14 +448,18 @@ class Transformer:
             visible = visible & (new_index[:, None, :] > query[None, :, None] - window)
         return visible[:, None]
 
-    def prefill(self, token_ids: list[int], cache: KVCache, max_tokens: int | None = None) -> int:
+    def prefill(
+        self, token_ids: list[int], cache: KVCache, max_tokens: int | None = None,
+        hidden_out: list[torch.Tensor] | None = None,
+    ) -> int:
         """Feed token_ids after the committed prefix of a one-row cache and commit them; returns how many.
 
         No forward crosses a multiple of PREFILL_CHUNK positions. A prefill split at such multiples
         (after a cached prefix's blocks, or by max_tokens) runs the very forwards of the
         whole-prompt prefill, so it gives the same keys, values and logits, bit for bit, in any
         weight format; a batch-invariant model gives them for a split anywhere. With max_tokens,
-        feeds at most that many (the caller feeds the rest later, from where this stopped).
+        feeds at most that many (the caller feeds the rest later, from where this stopped). hidden_out: gets
+        the last layer's hidden states (T, C) of the tokens fed, one tensor per forward (see `forward`).
         """
         if cache.batch_size != 1:
             raise ValueError(f"prefill feeds one row, got a cache of {cache.batch_size}")
@@ -466,7 +470,11 @@ class Transformer:
         position = start
         while position < end:
             stop = min((position // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end)
-            self.forward(torch.tensor([token_ids[position - start : stop - start]]), cache, last_only=True)
+            hidden = [] if hidden_out is not None else None
+            chunk = torch.tensor([token_ids[position - start : stop - start]])
+            self.forward(chunk, cache, last_only=True, hidden_out=hidden)
+            if hidden_out is not None:
+                hidden_out.append(hidden[0][0])
             cache.commit(stop - position)
             position = stop
         return position - start
@@ -479,13 +487,15 @@ class Transformer:
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits for new tokens placed after each row's committed prefix.
 
         input_ids: (B, T). positions: (B, T), default lengths + arange(T). tree_mask: (B, T, T) bool,
         new token t may see new token u; default causal. Writes keys/values at slots
         lengths[b] .. lengths[b] + T - 1 but commits nothing. Returns (B, T, V'), or (B, 1, V') with
-        last_only, in float32; V' = V unless the output vocabulary was restricted.
+        last_only, in float32; V' = V unless the output vocabulary was restricted. hidden_out: gets the last
+        layer's hidden states before the final norm, (B, T, C) in the compute dtype (what a draft head reads).
         """
         c = self.config
         batch, num_new = input_ids.shape
@@ -526,6 +536,8 @@ class Transformer:
             return attn.transpose(1, 2).reshape(batch, num_new, q_size)
 
         x = self._layers(self._embed(input_ids), attend)  # (B, T, C)
+        if hidden_out is not None:
+            hidden_out.append(x)
         if last_only:
             x = x[:, -1:]
         return self._logits(x)  # (B, T, V')
@@ -584,7 +596,8 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_packed(
-        self, row_tokens: list[list[int]], cache: KVCache, with_logits: list[bool]
+        self, row_tokens: list[list[int]], cache: KVCache, with_logits: list[bool],
+        hidden_out: list[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor | None]:
         """One forward over rows that each bring their own number of new tokens (none, a verify pass, a prompt chunk).
 
@@ -595,6 +608,8 @@ class Transformer:
         INVARIANT_ATTENTION_MAX_ROWS tokens. So in a batch-invariant model every token gets the bits it
         gets in `forward` or `prefill` (tests/test_transformer.py). Writes keys and values, commits
         nothing. Returns, per row, (T_b, V') float32 logits, or None where not asked for or T_b = 0.
+        hidden_out: gets, per row, the last layer's hidden states (T_b, C) before the final norm (None where
+        T_b = 0), for every row: a prompt chunk's too.
         """
         c = self.config
         if len(row_tokens) != cache.batch_size or len(with_logits) != cache.batch_size:
@@ -606,6 +621,8 @@ class Transformer:
             raise RuntimeError(f"KV cache overflow: {end} tokens > capacity {cache.capacity}")
         total = sum(counts)
         if total == 0:
+            if hidden_out is not None:
+                hidden_out.extend([None] * len(row_tokens))
             return [None] * len(row_tokens)
         starts = list(itertools.accumulate(counts, initial=0))  # row b's tokens are [starts[b], starts[b + 1])
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (N,)
@@ -650,6 +667,8 @@ class Transformer:
             return out.view(total, q_size)
 
         x = self._layers(self._embed(torch.tensor([t for tokens in row_tokens for t in tokens])), attend)  # (N, C)
+        if hidden_out is not None:
+            hidden_out.extend(row_x if len(row_x) else None for row_x in x.split(counts))
         wanted = [b for b in range(len(counts)) if with_logits[b] and counts[b]]
         results: list[torch.Tensor | None] = [None] * len(counts)
         if wanted:

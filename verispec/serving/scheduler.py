@@ -50,6 +50,8 @@ from verispec.policy import (
 )
 from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
 from verispec.drafters.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.drafters.batch_head import BatchedDraftHead
+from verispec.drafters.draft_head import HeadLayer
 from verispec.serving.prefix_cache import PrefixCache
 from verispec.stats import GenerationStats
 from verispec.stopping import TextAssembler
@@ -152,6 +154,8 @@ class _Sequence:
     # Per-sequence k: by drafter source, how often each draft position was reached and accepted.
     position_hits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     fault: BaseException | None = None  # what went wrong on this sequence's behalf this step: it ends alone
+    # A draft head's input: the target's hidden states of its prompt, (position, (T, C)) per forward, until it decodes.
+    prompt_features: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -172,7 +176,7 @@ class Scheduler:
     def __init__(
         self,
         target: LoadedModel,
-        draft_model: Transformer | None = None,
+        draft_model: Transformer | HeadLayer | None = None,
         drafter: str = "none",
         k: int | str = "auto",
         k_max: int = 8,
@@ -184,7 +188,8 @@ class Scheduler:
         controller: AdaptiveController | None = None,
         synchronous: bool = False,
     ) -> None:
-        """drafter: one of SERVED_DRAFTERS, or with `sequence_drafter` (a library's own drafter, made for each
+        """draft_model: a same-tokenizer draft model, or a draft head over the target's hidden states (draft_head).
+        drafter: one of SERVED_DRAFTERS, or with `sequence_drafter` (a library's own drafter, made for each
         sequence) the name its statistics go by: "composite" when a draft model drafts where it finds nothing.
         controller: one that measured this machine and model pair before (the library keeps one across requests).
         synchronous: requests are submitted and run_once driven by one thread that reads its events itself.
@@ -234,18 +239,22 @@ class Scheduler:
         capacity = limits.max_context + self.k_max + 2
         self.cache = target.model.new_cache(limits.max_batch_size, capacity)
         self.prefix_cache = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
-        self.draft = (
-            BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
-            if draft_model is not None
-            else None
-        )
+        self.draft: BatchedDraftModel | None = None
+        if isinstance(draft_model, HeadLayer):
+            self.draft = BatchedDraftHead(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
+        elif draft_model is not None:
+            self.draft = BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
+        self.batched_source = self.draft.source if self.draft is not None else BatchedDraftModel.source
+        self.feeds_head = isinstance(self.draft, BatchedDraftHead)  # the target's forwards hand on hidden states
         self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
         self.target_format_replacements = 0  # how often a target format found slow while serving was replaced
         if self.k == "auto" and not self.controller.verify_cost:
             # The first steps choose by the forwards' costs (remembered per machine), not by trying: where no draft
             # can pay, the first request does not pay for learning it (a prompt's catch-up, a k of first_k).
-            costs = step_costs(target, draft_model)
-            drafts = {BatchedDraftModel.source: costs["draft"]} if costs["draft"] is not None else {}
+            costs = step_costs(target, None if self.feeds_head else draft_model)
+            if self.feeds_head:  # a few milliseconds to time: not remembered
+                costs["draft"], costs["catch_up_per_token"] = self.draft.timed_costs()
+            drafts = {self.batched_source: costs["draft"]} if costs["draft"] is not None else {}
             self.controller.seed(costs["verify"], drafts, costs["catch_up_per_token"])
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
         self._prefilling: _Sequence | None = None  # the prompt going in, in row len(active)
@@ -478,10 +487,14 @@ class Scheduler:
         if sequence.prefilled >= len(prompt):
             return
         started = time.perf_counter()
+        hidden: list[torch.Tensor] | None = [] if self.feeds_head else None
         fed = self.target.model.prefill(
             prompt[sequence.prefilled :], self.cache.rows(row, row + 1),
             self._prefill_budget(sequence) if row and self.chunked_prefill else None,
+            **({} if hidden is None else {"hidden_out": hidden}),
         )
+        if hidden:
+            sequence.prompt_features.append((sequence.prefilled, torch.cat(hidden)))
         seconds = time.perf_counter() - started
         sequence.stats.prefill_seconds += seconds
         if fed:
@@ -548,6 +561,9 @@ class Scheduler:
                 self.draft.share_prompt(source, row, len(prompt))
             else:
                 self.draft.add(row)  # filled when the sequence first drafts
+                for position, features in sequence.prompt_features if self.feeds_head else ():
+                    self.draft.observe(row, position, features)
+        sequence.prompt_features = []
         sequence.prompt_source = None  # copied or not, it is needed no more
         if self.new_drafter is not None:  # lookup state is per sequence
             started = time.perf_counter()
@@ -568,9 +584,9 @@ class Scheduler:
     def _source_of(self, sequence: _Sequence) -> str | None:
         own = sequence.drafter
         if own is None:
-            return BatchedDraftModel.source if self.draft is not None else self.drafter
+            return self.batched_source if self.draft is not None else self.drafter
         if self.draft is not None:  # composite: the sequence's lookup where it finds something, else the draft model
-            return own.source if own.can_propose(sequence.tokens) else BatchedDraftModel.source
+            return own.source if own.can_propose(sequence.tokens) else self.batched_source
         next_source = getattr(own, "next_source", None)
         return next_source(sequence.tokens) if next_source is not None else getattr(own, "source", None)
 
@@ -621,7 +637,7 @@ class Scheduler:
         active = self.active
         proposals = [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
         seconds: dict[str, float] = {}
-        model = BatchedDraftModel.source
+        model = self.batched_source
         drafting = [k > 0 and source == model and self.draft is not None for k, source in zip(k_per_row, sources)]
         if self.draft is not None and any(drafting) and probing:
             # A probe asks only rows whose draft cache is current (else the first drafting row).
@@ -736,7 +752,7 @@ class Scheduler:
             if not drafting[row] or behind[row] <= LONG_TAIL:
                 continue
             pays = self.controller.catch_up_pays(
-                behind[row], self.active[row].remaining, k_per_row[row], BatchedDraftModel.source,
+                behind[row], self.active[row].remaining, k_per_row[row], self.batched_source,
                 len(self.active), spent,
             )
             if pays is None:
@@ -756,7 +772,7 @@ class Scheduler:
         k_per_row = [max(0, min(choices.get(source, (0, False))[0], s.draft_cap)) for s, source in zip(active, sources)]
         if self.k_per_sequence:
             k_per_row = self._k_per_sequence(k_per_row, sources, choices)
-        proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(BatchedDraftModel.source, (0, False))[1])
+        proposals, draft_seconds = self._draft(k_per_row, sources, choices.get(self.batched_source, (0, False))[1])
         verifying = time.perf_counter()
         width = 1 + max(p.num_tokens for p in proposals)
         row_tokens = [[s.tokens[-1], *p.token_ids[0].tolist()] for s, p in zip(active, proposals)]
@@ -765,18 +781,25 @@ class Scheduler:
         chunk: list[int] = []  # prompt tokens of the row being admitted (row n), carried by this forward
         if prefilling is not None:
             chunk = self._packed_chunk(prefilling, verify_tokens, verifying - started)
+        hidden: list[torch.Tensor | None] | None = [] if self.feeds_head else None  # per row (T_b, C), chunk's too
         if self.target.model.batch_invariant:
             # One packed forward over every row's [pending, drafts...] and the chunk: each row as wide as it is.
             row_logits = self.target.model.forward_packed(
-                row_tokens + ([chunk] if chunk else []), self.cache.rows(0, n + bool(chunk)), [True] * n + [False] * bool(chunk)
+                row_tokens + ([chunk] if chunk else []), self.cache.rows(0, n + bool(chunk)),
+                [True] * n + [False] * bool(chunk), **({} if hidden is None else {"hidden_out": hidden}),
             )  # (1 + k_b, V) per row
         else:
             # One target forward over every row's [pending, drafts...], right-padded to the longest.
             inputs = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, 1 + k)
             for b, tokens in enumerate(row_tokens):
                 inputs[b, : len(tokens)] = torch.tensor(tokens)
-            logits = self.target.model.forward(inputs, self.cache.rows(0, n))  # (n, 1 + k, V)
+            padded_hidden = [] if hidden is not None else None
+            logits = self.target.model.forward(
+                inputs, self.cache.rows(0, n), **({} if hidden is None else {"hidden_out": padded_hidden})
+            )  # (n, 1 + k, V)
             row_logits = [logits[b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
+            if hidden is not None:
+                hidden = [padded_hidden[0][b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
             verify_tokens = n * width
 
         # A faulty row (-1 accepted) commits nothing and leaves after the step.
@@ -795,7 +818,7 @@ class Scheduler:
             total = verify_tokens + len(chunk)
             self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
 
-        deepest = max((p.num_tokens for p in proposals if p.source == BatchedDraftModel.source), default=0)
+        deepest = max((p.num_tokens for p in proposals if p.source == self.batched_source), default=0)
         drafted_by_position = [0] * (width - 1)
         accepted_by_position = [0] * (width - 1)
         done: list[tuple[_Sequence, str]] = []
@@ -818,11 +841,13 @@ class Scheduler:
                     reached[position] += 1
                     hits[position] += position < num_accepted
             spent = draft_seconds.get(source, 0.0)
-            if source == BatchedDraftModel.source and drafted:  # the batch drafted `deepest` positions, this row fewer
+            if source == self.batched_source and drafted:  # the batch drafted `deepest` positions, this row fewer
                 spent *= drafted / deepest
             self.controller.observe(  # a forward that carried a chunk says nothing of what verifying costs
                 source, drafted, num_accepted, spent, verify_tokens, None if chunk else forward_seconds, batch_size=n,
             )
+            if hidden is not None:  # the positions it committed: its pending token's and the accepted drafts'
+                self.draft.observe(b, len(sequence.tokens) - 1, hidden[b][: num_accepted + 1])
             sequence.tokens.extend(tokens)
             finish_reason = self._try(sequence, self._commit_row, sequence, tokens, row_logits[b], finished_at)
             if finish_reason is not None:
@@ -831,7 +856,7 @@ class Scheduler:
             self._step_seconds = moving_average(self._step_seconds, finished_at - started, COST_SMOOTHING)
             drafters = {p.source or self.drafter for p in proposals if p.num_tokens}
             if len(drafters) <= 1:  # a whole step, one source's or plain (a draft model's catch-up is weighed apart)
-                batched = self.draft is not None and BatchedDraftModel.source in drafters
+                batched = self.draft is not None and self.batched_source in drafters
                 catch_up = self.draft.catch_up_seconds if batched else 0.0
                 self.controller.observe_step(
                     next(iter(drafters), None), n, time.perf_counter() - started - catch_up,
@@ -841,6 +866,8 @@ class Scheduler:
             self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
         if chunk:
             self.cache.rows(n, n + 1).commit(len(chunk))
+            if hidden is not None:
+                prefilling.prompt_features.append((prefilling.prefilled, hidden[n]))
             prefilling.prefilled += len(chunk)
             if prefilling.prefilled == len(prefilling.prompt_ids) - 1:  # in: it decodes from the next step (row n)
                 self._prefilling = None
@@ -1062,21 +1089,28 @@ def build_scheduler(
     drafts through the cross-tokenizer drafter (the drafter was not named; `Scheduler.drafter` says which ran),
     where otherwise a draft-model or composite drafter refuses it.
     """
-    from verispec.drafters import QUANTIZATIONS, draft_model_drafter, same_vocabulary
+    from verispec.drafters import QUANTIZATIONS, draft_model_drafter, is_head_spec, load_head, same_vocabulary
 
     if drafter not in SERVED_DRAFTERS:
         raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
     needs_model = drafter in MODEL_DRAFTERS or drafter == "cross-tokenizer"
     if needs_model and (draft is None or draft.lower() == "none"):
         raise ValueError(f"drafter {drafter!r} needs a draft model: pass --draft NAME_OR_PATH (or --drafter none)")
+    head = needs_model and is_head_spec(draft)  # a draft head over the target's hidden states, not a model
+    if head and drafter not in MODEL_DRAFTERS:
+        raise ValueError(f"a draft head runs as drafter draft-model or composite, not {drafter!r}")
+    needs_model = needs_model and not head
     if needs_model and draft_quantize not in QUANTIZATIONS:
         raise ValueError(f"draft quantization {draft_quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     target_model = load_model(target, dtype, progress, quantize)
     draft_model, sequence_drafter = None, None
     loaded = load_model(draft, dtype, progress) if needs_model else None
-    if drafter in MODEL_DRAFTERS and foreign_draft_crosses and not same_vocabulary(target_model, loaded):
+    foreign = loaded is not None and not same_vocabulary(target_model, loaded)
+    if drafter in MODEL_DRAFTERS and foreign_draft_crosses and foreign:
         drafter = "cross-tokenizer"
-    if drafter in MODEL_DRAFTERS:
+    if head:
+        draft_model = load_head(draft, target_model)
+    elif drafter in MODEL_DRAFTERS:
         draft_model = draft_model_drafter(loaded, target_model, dtype, draft_quantize, progress, draft_vocab).model
     elif drafter == "cross-tokenizer":  # each sequence re-encodes text its own way: its own drafter, one shared model
         quantize_draft(loaded, draft_quantize, progress, dtype_asked=dtype != "auto")

@@ -1,0 +1,246 @@
+"""The draft head (draft_head, batch_head): its drafting math is the trained module's, the step hands it the right
+hidden states, and the output stays the target's: greedy token for token, sampled by the exact law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST_FORMAT
+from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
+from verispec.drafters import make_drafter
+from verispec.drafters.batch_head import BatchedDraftHead
+from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, rms, save_head
+from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.sampling import SamplingParams
+from verispec.serving import scheduler as step_module
+from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox jumps over", "class Point:"]
+
+
+def trainable_head(target, seed: int, echo: bool = False, vocab: torch.Tensor | None = None) -> DraftHead:
+    """A random head over the tiny target. echo: one that predicts the feature it is given (its layer adds
+    nothing), so its draft is the target's own choice at the position it reads: the token already committed."""
+    torch.manual_seed(seed)
+    model = target.model
+    vocab = torch.arange(model.vocab_size) if vocab is None else vocab
+    rows = output_rows(target, torch.arange(model.vocab_size)).float()
+    head = DraftHead(model.embed.float(), model.final_norm.float(), rows, vocab, model.config.num_heads, 96,
+                     model.config.rope_theta)
+    with torch.no_grad():
+        for linear in (head.qkv, head.out, head.gate_up, head.down):
+            linear.weight.normal_(0, 0.3)
+        if echo:
+            head.fc.weight[:, model.embed.shape[1]:].zero_()
+            head.out.weight.zero_()
+            head.down.weight.zero_()
+    return head
+
+
+def head_file(target, tmp_path, **kwargs) -> str:
+    path = tmp_path / "head.safetensors"
+    save_head(trainable_head(target, **kwargs), path, target.name, {"test": True})
+    return str(path)
+
+
+def plain_tokens(target, prompts=PROMPTS, tokens: int = 24) -> list[list[int]]:
+    engine = SpeculativeEngine(target)
+    return [engine.generate(p, GenerationConfig(max_new_tokens=tokens, k=0)).token_ids for p in prompts]
+
+
+def test_drafting_computes_what_the_trained_module_computes(target, tmp_path):
+    """HeadLayer.step over teacher-forced hidden states, in any split of the positions, gives DraftHead.forward's
+    predicted features; and its scores are the module's over the head's vocabulary."""
+    vocab = torch.arange(0, target.model.vocab_size, 3)
+    module = trainable_head(target, seed=1, vocab=vocab)
+    path = tmp_path / "head.safetensors"
+    save_head(module, path, target.name)
+    layer = load_head(str(path), target)
+    assert torch.equal(layer.vocab, vocab)
+    features = torch.randn(1, 12, target.model.embed.shape[1])  # (1, T, C) raw hidden states
+    next_ids = torch.randint(0, target.model.vocab_size, (1, 12))
+    with torch.no_grad():
+        expected = module(rms(features), next_ids)  # (1, T, C)
+    keys, values = layer.new_cache(1, 16)
+    lengths = torch.zeros(1, dtype=torch.long)
+    parts = []
+    for start, stop in ((0, 5), (5, 6), (6, 12)):  # a prompt, one step's position, the rest
+        positions = torch.arange(start, stop)[None]
+        parts.append(layer.step(features[:, start:stop], next_ids[:, start:stop], positions, keys, values,
+                                lengths, normalized=False))
+        lengths += stop - start
+    torch.testing.assert_close(torch.cat(parts, 1), expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(layer.logits(expected[0]), module.logits(expected[0]), atol=1e-4, rtol=1e-4)
+
+
+def proposals_seen(monkeypatch) -> list[tuple[list[int], list[int], int, int]]:
+    """Record every (committed tokens, drafts, first position, committed entries) the batched head proposes."""
+    seen = []
+    original = BatchedDraftHead.propose
+
+    def propose(self, tokens, k, *args, **kwargs):
+        proposals = original(self, tokens, k, *args, **kwargs)
+        seen.extend(
+            (list(t), p.token_ids[0].tolist(), self.first[b], int(self.lengths[b]))
+            for b, (t, p) in enumerate(zip(tokens, proposals)) if p.num_tokens
+        )
+        return proposals
+
+    monkeypatch.setattr(BatchedDraftHead, "propose", propose)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def fast_target(tiny_dir):
+    """The tiny model in a batch-invariant format: the server carries its prompts in the decoding steps' forwards."""
+    from verispec.models.loading import load_model
+
+    return load_model(tiny_dir, "bfloat16", quantize=FAST_FORMAT)
+
+
+@pytest.mark.parametrize("kind", ["float32", "fast"])
+def test_the_step_hands_the_head_each_committed_positions_hidden_state(request, tmp_path, monkeypatch, kind):
+    """An echo head drafts the target's choice at the newest position whose hidden state it holds. Handed the right
+    ones (the newest committed token's is not known yet: the token before it), its first draft is the newest
+    committed token itself, at every step of greedy decoding, in the library and in a batch of the server's (whose
+    prompts ride in the decoding steps' forwards, fast): and every position from the prompt's first on is in."""
+    target = request.getfixturevalue("target" if kind == "float32" else "fast_target")
+    seen = proposals_seen(monkeypatch)
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=2, echo=True))
+    engine = SpeculativeEngine(target, drafter)
+    for prompt in PROMPTS:
+        engine.generate(prompt, GenerationConfig(max_new_tokens=16, k=2))
+    library = list(seen)
+    seen.clear()
+    scheduler = Scheduler(target, drafter.model, "draft-model", k=2, limits=SchedulerLimits(4, 8, 128),
+                          chunked_prefill=True)
+    handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=16)) for p in PROMPTS]
+    while scheduler.run_once():
+        pass
+    for handle in handles:
+        list(handle.iter_events())
+    prompts = [target.encode(p) for p in PROMPTS]
+
+    def decoded(tokens: list[int]) -> bool:  # the newest token was the target's greedy choice, not the prompt's
+        return any(tokens[: len(p)] == p and len(tokens) > len(p) for p in prompts)
+
+    assert scheduler.packs_prefill == (kind == "fast")
+    for proposals in (library, seen):
+        assert all(first == 0 and entries == len(tokens) - 1 for tokens, _, first, entries in proposals)
+        generated = [(tokens, drafts) for tokens, drafts, _, _ in proposals if decoded(tokens)]
+        assert len(generated) > 20
+        echoed = sum(drafts[0] == tokens[-1] for tokens, drafts in generated)
+        assert echoed >= 0.9 * len(generated), f"{echoed} of {len(generated)} first drafts echo the newest token"
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_output_is_plain_decodings_in_the_library_and_the_server(target, tmp_path, k):
+    plain = plain_tokens(target)
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=3))
+    engine = SpeculativeEngine(target, drafter)
+    results = [engine.generate(p, GenerationConfig(max_new_tokens=24, k=k)) for p in PROMPTS]
+    assert [r.token_ids for r in results] == plain
+    assert k == "auto" or sum(r.stats.drafted_tokens for r in results) > 0
+    for chunked in (False, True):
+        scheduler = Scheduler(target, drafter.model, "draft-model", k=k, limits=SchedulerLimits(3, 8, 128),
+                              chunked_prefill=chunked)
+        handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=24)) for p in PROMPTS]
+        while scheduler.run_once():
+            pass
+        assert [[t for e in h.iter_events() for t in e.token_ids] for h in handles] == plain
+
+
+def test_the_composite_drafter_runs_a_head_behind_its_lookup(target, tmp_path, repeating_prompt):
+    drafter = make_drafter("composite", target, head_file(target, tmp_path, seed=4, echo=True))
+    engine = SpeculativeEngine(target, drafter)
+    prompts = [repeating_prompt, *PROMPTS]
+    results = [engine.generate(p, GenerationConfig(max_new_tokens=24, k=3)) for p in prompts]
+    assert [r.token_ids for r in results] == plain_tokens(target, prompts)
+    sources = set().union(*(r.stats.steps_by_drafter for r in results))
+    assert {"draft-head", "suffix-index"} <= sources
+
+
+def test_sampled_output_follows_the_target_law(target, tmp_path, repeating_prompt):
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=5, echo=True))
+    engine = SpeculativeEngine(target, drafter)
+    assert engine.generate(prompt_ids, GenerationConfig(max_new_tokens=4, k=3)).stats.drafted_tokens > 0
+    runs = 1500
+    assert law_matches(two_token_frequencies(engine, prompt_ids, sampling, runs), law, runs)
+
+
+def test_negative_control_accept_all_fails_the_same_check(target, tmp_path, repeating_prompt, monkeypatch):
+    monkeypatch.setattr(step_module, "verify", accept_all)
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=5, echo=True))
+    engine = SpeculativeEngine(target, drafter)
+    runs = 1500
+    assert not law_matches(two_token_frequencies(engine, prompt_ids, sampling, runs), law, runs)
+
+
+def test_a_missing_or_foreign_head_is_refused_with_what_to_do(target, other_tiny_dir, own_cache, tmp_path):
+    from verispec.models.loading import load_model
+
+    with pytest.raises(FileNotFoundError, match="make head"):
+        make_drafter("draft-model", target, "head")
+    other = load_model(other_tiny_dir, "float32")
+    path = tmp_path / "other.safetensors"
+    save_head(trainable_head(other, seed=6), path, "some-other-target")
+    with pytest.raises(ValueError, match="trained for some-other-target"):
+        make_drafter("draft-model", target, str(path))
+    with pytest.raises(ValueError, match="runs as draft-model or composite"):
+        make_drafter("cross-tokenizer", target, str(path))
+    with pytest.raises(TypeError, match="through SpeculativeEngine"):
+        make_drafter("draft-model", target, head_file(target, tmp_path, seed=6)).begin([1, 2, 3], 16)
+
+
+def test_a_batch_hands_rows_their_own_states_as_rows_move(target, tmp_path):
+    """Rows that finish leave the batch and the others move down (their head caches with them): the output of each
+    stays plain decoding's, with max_tokens apart so that rows leave at different steps."""
+    prompts = PROMPTS * 2
+    lengths = [6, 30, 12, 24, 9, 18, 27, 15]
+    engine = SpeculativeEngine(target)
+    plain = [engine.generate(p, GenerationConfig(max_new_tokens=n, k=0)).token_ids for p, n in zip(prompts, lengths)]
+    head = load_head(head_file(target, tmp_path, seed=7, echo=True), target)
+    scheduler = Scheduler(target, head, "draft-model", k=3, limits=SchedulerLimits(4, 8, 128), chunked_prefill=True)
+    handles = [scheduler.submit(target.encode(p), GenerationConfig(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    while scheduler.run_once():
+        pass
+    assert [[t for e in h.iter_events() for t in e.token_ids] for h in handles] == plain
+    assert isinstance(scheduler.draft, BatchedDraftHead) and isinstance(scheduler.draft.model, HeadLayer)
+
+
+def test_a_rows_head_cache_holds_what_teacher_forcing_the_whole_text_gives(target, tmp_path, monkeypatch):
+    """Drafts from an oracle (plain decoding's own continuation: every draft accepted, several tokens a step), the
+    head's committed entries after decoding are those of one teacher-forced pass over the text: each position's
+    hidden state paired with the token after it, whatever step committed it."""
+    from verispec.drafters.batch_draft import BatchedDraftModel
+
+    prompt = target.encode(PROMPTS[0])
+    [continuation] = plain_tokens(target, [PROMPTS[0]], 30)
+    text = prompt + continuation
+
+    def oracle(self, logits, tokens, drafted, *args):
+        return text[len(tokens) + len(drafted)]
+
+    monkeypatch.setattr(BatchedDraftModel, "_draw", oracle)
+    head = load_head(head_file(target, tmp_path, seed=8), target)
+    engine = SpeculativeEngine(target, make_drafter("draft-model", target, str(tmp_path / "head.safetensors")))
+    stream = engine.stream(prompt, GenerationConfig(max_new_tokens=30, k=3))
+    result = list(stream) and stream.result
+    assert result.token_ids == continuation and result.stats.mean_tokens_per_target_forward > 3
+    draft = stream.scheduler.draft
+    entries = int(draft.lengths[0])
+    assert draft.first[0] == 0 and entries >= len(text) - 5  # all but the last step's positions
+    hidden = []
+    target.model.forward(torch.tensor([text[:-1]]), target.model.new_cache(1, len(text)), hidden_out=hidden)
+    keys, values = head.new_cache(1, len(text))
+    positions = torch.arange(len(text) - 1)[None]
+    head.step(hidden[0], torch.tensor([text[1:]]), positions, keys, values, torch.zeros(1, dtype=torch.long), False)
+    torch.testing.assert_close(draft.keys[0, :, :entries], keys[0, :, :entries], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(draft.values[0, :, :entries], values[0, :, :entries], atol=1e-4, rtol=1e-4)

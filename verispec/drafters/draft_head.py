@@ -1,0 +1,269 @@
+"""A draft head over the target's own hidden states (EAGLE-1's shape): one decoder layer and the target's head.
+
+At position t the head reads the target's last hidden state f_t (normalized) and the embedding of the
+token that follows, x_{t+1}; one decoder layer, causal over the positions before it, predicts the
+normalized f_{t+1}, and the target's own final norm and output head, restricted to the `vocab` ids the
+head was trained on, turn it into a draft for x_{t+2}. Drafting on, the head feeds its own prediction
+and its draft back in. It reads no model of its own, so a draft position costs one small layer and a
+head over a fraction of the vocabulary: about 0.03 of a 1.5B target's forward (benchmarks/results/
+xeon/draft-head). q is zero outside `vocab`, so verification stays exact whatever the weights.
+
+`DraftHead` is the trainable module (benchmarks/draft_head/study.py trains it); `HeadLayer` is the same
+computation for drafting, its matmuls in the target's weight format; a head is saved as safetensors
+(`save_head`) and loaded against its target (`load_head`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from verispec.models.linear import Linear
+from verispec.models.machine import cache_root
+from verispec.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from verispec.models.loading import LoadedModel
+
+HEAD_FORMAT = "verispec-draft-head-1"
+HEAD_DRAFT = "head"  # `--draft head`: the head built for the target (`make head`), in head_path(target)
+TRAINED = ("fc", "attn_norm", "qkv.weight", "qkv.bias", "out", "mlp_norm", "gate_up", "down")
+
+
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x (..., C) scaled to unit root mean square, computed in float32 and returned in x's dtype."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., D) at positions (...): rotate-half layout, as Qwen's layers."""
+    half = head_dim // 2
+    inverse = theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = positions.float()[..., None] * inverse  # (..., D/2)
+    return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class DraftHead(torch.nn.Module):
+    """fc([rms(f_t), rms(emb(x_{t+1}))]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}).
+
+    The target's embedding, final norm and output head (restricted to `vocab` ids) are frozen buffers."""
+
+    def __init__(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor,
+                 heads: int, intermediate: int, rope_theta: float) -> None:
+        super().__init__()
+        width = embed.shape[1]
+        self.register_buffer("embed", embed, persistent=False)  # (V, C)
+        self.register_buffer("final_norm", final_norm, persistent=False)  # (C,)
+        self.register_buffer("head", head[vocab], persistent=False)  # (V', C)
+        self.register_buffer("vocab", vocab)  # (V',) target ids of the head's rows
+        self.heads, self.head_dim = heads, width // heads
+        self.fc = torch.nn.Linear(2 * width, width, bias=False)
+        self.attn_norm = torch.nn.Parameter(torch.ones(width))
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=True)
+        self.out = torch.nn.Linear(width, width, bias=False)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(width))
+        self.gate_up = torch.nn.Linear(width, 2 * intermediate, bias=False)
+        self.down = torch.nn.Linear(intermediate, width, bias=False)
+        self.rope_theta = rope_theta
+        with torch.no_grad():  # start near "the next feature is this one": fc passes rms(f_t) on
+            self.fc.weight.zero_()
+            self.fc.weight[:, :width].copy_(torch.eye(width))
+            self.fc.weight[:, width:].normal_(0, 0.02)
+            for linear in (self.qkv, self.out, self.gate_up, self.down):
+                linear.weight.normal_(0, 0.02)
+            self.out.weight.mul_(0.1)
+            self.down.weight.mul_(0.1)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, self.head_dim, self.rope_theta)
+
+    def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized features and (...,) next token ids -> the layer's input (..., C)."""
+        return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,) shared by the rows, or (B, T) each row's."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        cos, sin = self.rotary(positions)  # (T, D) or (B, T, D)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual, MLP and the normalized predicted feature (B, T, C)."""
+        b, t, _ = x.shape
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
+        x = x + self.down(F.silu(gate) * up)
+        return rms(x)
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: features (B, T, C) normalized f_0..f_{T-1}, next_ids (B, T) x_1..x_T -> predicted
+        normalized f_1..f_T (B, T, C)."""
+        x = self.layer_input(features, next_ids)
+        q, k, v = self.project(x, torch.arange(x.shape[1]))
+        return self.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized features -> (..., V') scores over the head's tokens."""
+        return (predicted * self.final_norm) @ self.head.T
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """What a head file holds: the trained weights (float32) and the head's vocabulary."""
+        return {
+            "fc": self.fc.weight, "attn_norm": self.attn_norm, "qkv.weight": self.qkv.weight,
+            "qkv.bias": self.qkv.bias, "out": self.out.weight, "mlp_norm": self.mlp_norm,
+            "gate_up": self.gate_up.weight, "down": self.down.weight, "vocab": self.vocab,
+        }
+
+
+def save_head(head: DraftHead, path: Path, target_name: str, about: dict | None = None) -> None:
+    """Write a head as safetensors, with what loading it needs (its target, shape) and `about` (its training)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.detach().float().contiguous() for name, tensor in head.trained_tensors().items()}
+    tensors["vocab"] = head.vocab.long().contiguous()
+    metadata = {
+        "format": HEAD_FORMAT, "target": target_name, "heads": str(head.heads), "rope_theta": repr(head.rope_theta),
+        "about": json.dumps(about or {}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def head_path(target_name: str) -> Path:
+    """Where `make head` puts the head it trains for a target (by the target's name)."""
+    return cache_root() / "heads" / f"{Path(target_name).name}.safetensors"
+
+
+def is_head_spec(draft: str | None) -> bool:
+    """Whether a `--draft` value names a draft head: "head" (the target's, see head_path) or a head file."""
+    return draft is not None and (draft == HEAD_DRAFT or draft.endswith(".safetensors") and Path(draft).is_file())
+
+
+class HeadLayer:
+    """A DraftHead for drafting: its matmuls as the target's `Linear`s, in the target's weight format; the target's
+    embedding and final norm shared, its output-head rows over `vocab` in that format too."""
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], heads: int, rope_theta: float, target: Transformer,
+        head_rows: torch.Tensor,
+    ) -> None:
+        """head_rows: the target's dense output-head rows (V', C) of the head's vocabulary (tensors["vocab"])."""
+        dtype = target.dtype
+        width = target.embed.shape[1]
+        fc = tensors["fc"]
+        if fc.shape != (width, 2 * width):
+            raise ValueError(
+                f"the draft head is {fc.shape[0]} wide, the target {width}: it was trained for another target"
+            )
+        self.embed, self.final_norm, self.dtype = target.embed, target.final_norm, dtype
+        self.vocab = tensors["vocab"].long()  # (V',) target ids of the head's rows
+        self.output_token_ids = self.vocab
+        self.heads, self.head_dim, self.rope_theta, self.width = heads, width // heads, rope_theta, width
+        self.attn_norm = tensors["attn_norm"].to(dtype)
+        self.mlp_norm = tensors["mlp_norm"].to(dtype)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            layer = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype))
+            layer.quantize(target.weight_format, target.activations)
+            return layer
+
+        self.fc, self.qkv = linear(fc), linear(tensors["qkv.weight"], tensors["qkv.bias"])
+        self.out, self.gate_up, self.down = linear(tensors["out"]), linear(tensors["gate_up"]), linear(tensors["down"])
+        self.lm_head = linear(head_rows)  # (V', C)
+        self.parameters = sum(t.numel() for name, t in tensors.items() if name != "vocab")
+
+    def new_cache(self, batch_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values, (B, H, capacity, D) each."""
+        shape = (batch_size, self.heads, capacity, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def step(
+        self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, normalized: bool,
+    ) -> torch.Tensor:
+        """One layer over T new positions of each of B rows, after each row's `lengths` cached ones.
+
+        features (B, T, C): the target's hidden states (normalized False) or the head's own predictions;
+        next_ids (B, T); positions (B, T) absolute. Writes the new keys and values at slots lengths[b] ..
+        lengths[b] + T - 1 of keys, values (B, H, S, D) and commits nothing. Returns the predicted normalized
+        features (B, T, C) in float32.
+        """
+        batch, num_new = next_ids.shape
+        f = features.float() if normalized else rms(features.float())
+        x = self.fc(torch.cat([f, rms(self.embed[next_ids].float())], -1).to(self.dtype))  # (B, T, C)
+        qkv = self.qkv(rms(x) * self.attn_norm).view(batch, num_new, 3, self.heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) each
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta)  # (B, T, D)
+        q, k = rotate(q.float(), cos[:, None], sin[:, None]), rotate(k.float(), cos[:, None], sin[:, None])
+        slots = lengths[:, None] + torch.arange(num_new)  # (B, T)
+        rows = torch.arange(batch)[:, None].expand(-1, num_new)
+        keys[rows, :, slots] = k.transpose(1, 2).to(keys.dtype)  # (B, T, H, D) into each token's slot
+        values[rows, :, slots] = v.transpose(1, 2).to(values.dtype)
+        span = int(slots.max()) + 1
+        visible = torch.arange(span)[None, None, :] <= slots[:, :, None]  # (B, T, S)
+        attended = F.scaled_dot_product_attention(
+            q, keys[:, :, :span].float(), values[:, :, :span].float(), attn_mask=visible[:, None]
+        )  # (B, H, T, D)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, num_new, -1).to(self.dtype))
+        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
+        x = x + self.down(F.silu(gate) * up)
+        return rms(x.float())  # (B, T, C)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized predicted features -> float32 scores (..., V') over `vocab`."""
+        return self.lm_head((predicted * self.final_norm.float()).to(self.dtype)).float()
+
+
+def output_rows(target: "LoadedModel", token_ids: torch.Tensor) -> torch.Tensor:
+    """The target's dense output-head rows (N, C) of token_ids: its embedding's where the head is tied, else read
+    from its weights' files (a quantized head keeps no dense copy)."""
+    from safetensors import safe_open
+
+    model = target.model
+    if model.tied_head:
+        return model.embed[token_ids]
+    if model.lm_head.dense is not None and model.lm_head.dense.shape[0] == model.vocab_size:
+        return model.lm_head.dense[token_ids]
+    for path in sorted(Path(target.directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if "lm_head.weight" in handle.keys():
+                return handle.get_tensor("lm_head.weight")[token_ids].to(model.dtype)
+    raise ValueError(f"no lm_head.weight in {target.directory}: the draft head cannot use this target's output head")
+
+
+def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
+    """The head `spec` names ("head": the target's, built by `make head`; or a head file) over the loaded target."""
+    from safetensors import safe_open
+
+    path = head_path(target.name) if spec == HEAD_DRAFT else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no draft head for {Path(target.name).name} at {path}: build it with `make head` "
+            "(trains one on this machine) or pass --draft with a head file"
+        )
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != HEAD_FORMAT:
+            raise ValueError(f"{path} is not a verispec draft head (format {metadata.get('format')!r})")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    missing = [name for name in (*TRAINED, "vocab") if name not in tensors]
+    if missing:
+        raise ValueError(f"draft head {path} lacks {', '.join(missing)}: build it again with `make head`")
+    if metadata.get("target") and Path(metadata["target"]).name != Path(target.name).name:
+        raise ValueError(f"draft head {path} was trained for {metadata['target']}, not {target.name}")
+    rows = output_rows(target, tensors["vocab"].long())
+    return HeadLayer(tensors, int(metadata["heads"]), float(metadata["rope_theta"]), target.model, rows)
