@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 # The CPU build of torch lies on disk here; without it pip would fetch a multi-GB CUDA build.
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install models demo test test-fast bench peers tables clean
+.PHONY: install models demo test test-fast head bench peers tables clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -37,6 +37,16 @@ test: models
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
+
+# The draft head `--draft head` loads, for the default target (benchmarks/draft_head/study.py: the target's own
+# answers and standard-library text teacher-forced through it, then HEAD_MINUTES of training on this CPU). About
+# 80 minutes on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so a rerun picks up where it stopped.
+HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
+HEAD_MINUTES ?= 30
+head: models
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS)
 
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
 # benchmarks/results/<this machine's kind>/; then `make tables`.

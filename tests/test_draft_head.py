@@ -12,6 +12,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.batch_head import BatchedDraftHead
 from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, rms, save_head
 from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
 from verispec.serving import scheduler as step_module
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
@@ -244,3 +245,24 @@ def test_a_rows_head_cache_holds_what_teacher_forcing_the_whole_text_gives(targe
     head.step(hidden[0], torch.tensor([text[1:]]), positions, keys, values, torch.zeros(1, dtype=torch.long), False)
     torch.testing.assert_close(draft.keys[0, :, :entries], keys[0, :, :entries], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(draft.values[0, :, :entries], values[0, :, :entries], atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_found_in_the_prefix_cache_brings_its_hidden_states_to_the_head(target, tmp_path, monkeypatch):
+    """A prompt whose first blocks come from the prefix cache is never computed again: the cache keeps the target's
+    hidden states beside the keys, so the head still sees it from its first position; the output stays plain."""
+    prompt = PROMPTS[1] * 12  # more than a prefix-cache block
+    [plain] = plain_tokens(target, [prompt], 16)
+    seen = proposals_seen(monkeypatch)
+    head = load_head(head_file(target, tmp_path, seed=9), target)
+    scheduler = Scheduler(target, head, "draft-model", k=2, limits=SchedulerLimits(2, 8, 512, 1 << 24))
+    outputs = []
+    for _ in range(2):
+        handle = scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=16))
+        while scheduler.run_once():
+            pass
+        outputs.append([t for e in handle.iter_events() for t in e.token_ids])
+        assert all(first == 0 and entries == len(tokens) - 1 for tokens, _, first, entries in seen) and seen
+        seen.clear()
+    assert outputs == [plain, plain]
+    assert scheduler.prefix_cache.stats.hit_tokens >= PREFILL_CHUNK
+    assert all(block.hidden is not None for block in scheduler.prefix_cache._blocks.values())

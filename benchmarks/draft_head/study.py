@@ -1,4 +1,6 @@
-"""A draft head over the target's own hidden states (EAGLE-style), measured before it is built (issue 31 item 4).
+"""A draft head over the target's own hidden states (EAGLE-style): its data, training and measurement (issue 31).
+
+`make head` runs collect --more, train and export: the head `--draft head` loads (verispec.drafters.draft_head).
 
 The question: can a drafter that costs <= 0.15 of a target forward be accepted often enough to pay on these
 CPUs? Candidates measured here, both over the target's own last-layer features so that none needs a model of
@@ -15,15 +17,19 @@ Data recipe (all offline, from what the machine has):
   shuffled fixed order, in 256-token windows;
 - the target's own greedy answers (plain decoding, 128 tokens) to prompts that are not measured: HumanEval
   and code-edit problems 16..79, and TRAIN_CHAT below (questions written for this study, none of chat.jsonl's);
+  with --more also to HumanEval and code-edit 80.., and to MORE_CHAT_* (120 more questions), and all of these
+  answered once more sampled (temperature 0.7, top-p 0.95);
 - measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
   target greedily; each evaluated position sees the target's true features before it, as a drafter would.
 
 Everything the target computes runs in its served format (load_model quantize="auto"). The head trains in
-float32 with bfloat16 autocast. Commands (each step caches its output under --work):
+float32 with bfloat16 autocast, on windows padded to the longest of their batch (padding masked out). Commands
+(each step caches its output under --work):
 
     python benchmarks/draft_head/study.py collect --work /tmp/draft-head
     python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20
     python benchmarks/draft_head/study.py evaluate --work /tmp/draft-head --out benchmarks/results/xeon/draft-head
+    python benchmarks/draft_head/study.py export --work /tmp/draft-head   # to where --draft head finds it
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verispec.drafters.draft_head import DraftHead, rms, save_head
+from verispec.drafters.draft_head import DraftHead, head_path, rms, save_head
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft model, compared at its first position
@@ -82,6 +88,51 @@ TRAIN_CHAT = [
     "I forgot the password of my router's admin page. What are my options?",
     "Which documents do I need to renew a passport, typically?",
 ]
+
+
+# More chat for `collect --more`: questions of the kinds chat.jsonl asks (support, how-to, explain, write), made from
+# these parts in a fixed order; none of them is one of the measured prompts.
+MORE_CHAT_FORMS = [
+    "How do I {}?", "Can you explain {} in simple terms?", "What are the pros and cons of {}?",
+    "Give me a step-by-step plan for {}.", "What should I know before {}?", "What are common mistakes people make when {}?",
+    "Write a short, friendly message to a colleague about {}.", "I need help with {}. Where do I start?",
+]
+MORE_CHAT_TOPICS = [
+    "resetting a forgotten email password", "returning a damaged item bought online", "setting up two-factor "
+    "authentication", "budgeting for a family of four", "preparing for a technical interview", "moving to a new city",
+    "choosing a laptop for programming", "backing up photos from my phone", "training a puppy to walk on a leash",
+    "writing a cover letter", "speeding up a slow home computer", "planning a birthday party for a child",
+    "negotiating the price of a used car", "learning to play the guitar", "cancelling a gym membership",
+    "asking for feedback on my work", "reducing my electricity bill", "organizing a small home office",
+    "starting a vegetable garden on a balcony", "disputing a charge on my credit card", "improving my sleep",
+    "migrating a website to a new host", "choosing between two job offers", "teaching a teenager to drive",
+    "dealing with a noisy neighbour", "setting up a home Wi-Fi network", "running a remote team meeting",
+    "writing unit tests for a Python project", "using git branches", "deploying a web app with Docker",
+    "securing a small business network", "reading a nutrition label", "renewing a driver's license",
+    "filing an insurance claim after a minor car accident", "making a monthly meal plan", "keeping a journal",
+    "studying for an exam in two weeks", "getting started with SQL databases", "onboarding a new employee",
+    "writing a polite complaint to a landlord",
+]
+MORE_CODE_TASKS = [
+    "reverses the words of a sentence", "checks whether a string is a palindrome", "merges two sorted lists",
+    "counts word frequencies in a text file", "parses a CSV file into a list of dictionaries",
+    "finds the longest common prefix of a list of strings", "flattens a nested list", "validates an email address",
+    "computes the n-th Fibonacci number with memoization", "groups a list of records by a key",
+    "retries a function call with exponential backoff", "reads a JSON config file with defaults",
+    "implements a simple LRU cache", "converts a Roman numeral to an integer", "removes duplicates while keeping order",
+    "finds all prime numbers below n", "formats a number of bytes as a human-readable string",
+    "computes the moving average of a list", "checks whether two strings are anagrams", "rotates a matrix by 90 degrees",
+]
+
+
+def more_chat_prompts() -> list[str]:
+    """Every topic in two of the forms (by a fixed draw), and every code task asked two ways: 120 questions."""
+    draw = random.Random(1)
+    questions = [form.format(topic) for topic in MORE_CHAT_TOPICS for form in draw.sample(MORE_CHAT_FORMS, 2)]
+    for task in MORE_CODE_TASKS:
+        questions.append(f"Write a Python function that {task}.")
+        questions.append(f"Explain how to write a Python function that {task}, with an example.")
+    return questions
 
 
 def log(message: str) -> None:
@@ -147,13 +198,19 @@ class FeatureTap:
         return out
 
 
-def answers(loaded, prompts: list[list[int]]) -> list[list[int]]:
-    """The target's greedy answers (ANSWER_TOKENS) to the encoded prompts: plain decoding, 16 rows at a time."""
+def answers(loaded, prompts: list[list[int]], temperature: float = 0.0) -> list[list[int]]:
+    """The target's answers (ANSWER_TOKENS; greedy, or sampled at `temperature`) to the encoded prompts: plain
+    decoding, 16 rows at a time."""
     from verispec.engine import GenerationConfig
+    from verispec.sampling import SamplingParams
     from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
     scheduler = Scheduler(loaded, None, "none", k=0, limits=SchedulerLimits(16, 1024, 2048))
-    handles = [scheduler.submit(ids, GenerationConfig(max_new_tokens=ANSWER_TOKENS)) for ids in prompts]
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
+    handles = [
+        scheduler.submit(ids, GenerationConfig(max_new_tokens=ANSWER_TOKENS, sampling=sampling, seed=i))
+        for i, ids in enumerate(prompts)
+    ]
     while scheduler.run_once():
         pass
     outs = []
@@ -212,12 +269,20 @@ def cmd_collect(args) -> None:
         if name != "chat":
             sets[f"train-{name}"] = encoded_prompts(loaded, items[TRAIN_PROMPTS])
     sets["train-chat"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]} for q in TRAIN_CHAT])
+    temperatures = {}
+    if args.more:  # the rest of HumanEval and code-edit, more chat, and every training prompt answered sampled too
+        for name in ("humaneval", "code-edit"):
+            sets[f"train-{name}-more"] = encoded_prompts(loaded, load_workload(name)[TRAIN_PROMPTS.stop :])
+        chat = [{"messages": [{"role": "user", "content": q}]} for q in TRAIN_CHAT + more_chat_prompts()]
+        sets["train-chat-more"] = encoded_prompts(loaded, chat)[len(TRAIN_CHAT) :]
+        for name in [n for n in sets if n.startswith("train-")]:
+            sets[f"{name}-sampled"], temperatures[f"{name}-sampled"] = sets[name], 0.7
     for name, prompts in sets.items():
         path = work / f"{name}.pt"
         if path.exists():
             continue
         started = time.perf_counter()
-        outs = answers(loaded, prompts)
+        outs = answers(loaded, prompts, temperatures.get(name, 0.0))
         log(f"{name}: {len(prompts)} answers, {sum(map(len, outs))} tokens in {time.perf_counter() - started:.0f} s")
         started = time.perf_counter()
         rows = [dict(tap.run(p + o), answer_start=len(p)) for p, o in zip(prompts, outs)]
@@ -243,7 +308,8 @@ def cmd_collect(args) -> None:
 def load_rows(work: Path, names: list[str]) -> list[dict]:
     rows = []
     for name in names:
-        rows.extend(torch.load(work / f"{name}.pt"))
+        for row in torch.load(work / f"{name}.pt"):  # the early layers' states (layer skip) are not the head's
+            rows.append({key: value for key, value in row.items() if not key.startswith("early")})
     return rows
 
 
@@ -262,6 +328,18 @@ def training_pairs(rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, t
             after = slice(start + 1, stop + 1)
             pairs.append((f[start:stop], ids[after], f[after], argmax[after]))
     return pairs
+
+
+def padded_batch(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Windows of a batch padded on the right to the longest (a padded position is after every real one, so the
+    causal layer keeps them apart): features, next ids, next features, labels (-1 where padded)."""
+    length = max(len(b[1]) for b in batch)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        missing = length - len(t)
+        return F.pad(t, (0, 0, 0, missing) if t.dim() == 2 else (0, missing), value=value)
+
+    return tuple(torch.stack([pad(b[j], -1 if j == 3 else 0) for b in batch]) for j in range(4))
 
 
 def build_head(loaded, vocab: torch.Tensor, intermediate: int) -> DraftHead:
@@ -286,8 +364,8 @@ def cmd_train(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = load_model(TARGET)  # dense weights: the embedding, norm and head in the compute dtype
-    texts = sorted(path.stem for path in work.glob("train-text*.pt"))  # every text collected (--text-seed)
-    rows = load_rows(work, texts + ["train-humaneval", "train-code-edit", "train-chat"])
+    names = sorted(path.stem for path in work.glob("train-*.pt"))  # every set collected (--text-seed, --more)
+    rows = load_rows(work, names)
     vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
     head = build_head(loaded, vocab, args.intermediate)
     index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
@@ -309,9 +387,8 @@ def cmd_train(args) -> None:
         for start in range(0, len(order), args.batch):
             if time.perf_counter() >= deadline:
                 break
-            batch = [pairs[i] for i in order[start : start + args.batch]]
-            length = min(len(b[1]) for b in batch)
-            f, nxt, f_next, labels = (torch.stack([b[j][:length] for b in batch]) for j in range(4))
+            f, nxt, f_next, labels = padded_batch([pairs[i] for i in order[start : start + args.batch]])
+            real = labels >= 0  # (B, T): not padding
             elapsed = time.perf_counter() - started
             fraction = min(elapsed / (args.minutes * 60), 1.0)
             for group in optimizer.param_groups:  # warm up, then cosine to a tenth, over the time budget
@@ -320,8 +397,10 @@ def cmd_train(args) -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 predicted = head(f, nxt)
                 logits = head.logits(predicted)
-            regression = F.smooth_l1_loss(predicted.float(), f_next, beta=0.1)
-            classification = F.cross_entropy(logits.float().flatten(0, 1), index[labels].flatten(), ignore_index=-100)
+            per_position = F.smooth_l1_loss(predicted.float(), f_next, beta=0.1, reduction="none").mean(-1)  # (B, T)
+            regression = (per_position * real).sum() / real.sum()
+            classes = torch.where(real, index[labels.clamp(min=0)], -100)  # (B, T) the head's row, or ignored
+            classification = F.cross_entropy(logits.float().flatten(0, 1), classes.flatten(), ignore_index=-100)
             loss = regression + args.ce_weight * classification
             optimizer.zero_grad()
             loss.backward()
@@ -330,7 +409,7 @@ def cmd_train(args) -> None:
             step += 1
             seen += labels.numel()
             with torch.no_grad():
-                hit = (logits.argmax(-1) == index[labels]).float().mean().item()
+                hit = (logits.argmax(-1) == classes)[real].float().mean().item()
             history.append((regression.item(), classification.item(), hit))
             if step % 20 == 0:
                 recent = history[-20:]
@@ -583,8 +662,9 @@ def cmd_export(args) -> None:
     head = build_head(loaded, saved["state"]["vocab"], saved["intermediate"])
     head.load_state_dict(saved["state"])
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
-    save_head(head, Path(args.out), TARGET, about)
-    log(f"wrote {args.out}")
+    out = Path(args.out) if args.out else head_path(TARGET)
+    save_head(head, out, TARGET, about)
+    log(f"wrote {out}")
 
 
 def main() -> None:
@@ -595,6 +675,8 @@ def main() -> None:
     collect.add_argument("--text-seed", type=int, default=0,
                          help="another seed draws other files: more text beside what is collected (train-text-SEED)")
     collect.add_argument("--early-layers", type=int, nargs="*", default=[4, 8, 14, 21])
+    collect.add_argument("--more", action="store_true",
+                         help="also HumanEval and code-edit 80.., more chat, and all training prompts answered sampled")
     train = commands.add_parser("train")
     train.add_argument("--minutes", type=float, default=20)
     train.add_argument("--vocab", type=int, default=32768)
@@ -608,7 +690,7 @@ def main() -> None:
     evaluate.add_argument("--draft-model", action=argparse.BooleanOptionalAction, default=True,
                           help="also measure the default draft model's first-position agreement")
     export = commands.add_parser("export", help="the trained head as a head file the engine loads (--draft FILE)")
-    export.add_argument("--out", required=True, help="a .safetensors path (make head: ~/.cache/verispec/heads/...)")
+    export.add_argument("--out", default=None, help="a .safetensors path; default where --draft head looks")
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")

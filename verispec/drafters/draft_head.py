@@ -39,10 +39,15 @@ def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (..., D) at positions (...): rotate-half layout, as Qwen's layers."""
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     half = head_dim // 2
-    inverse = theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    return theta ** (-torch.arange(half, dtype=torch.float32) / half)  # (D/2,)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float,
+           inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., D) at positions (...): rotate-half layout, as Qwen's layers."""
+    inverse = inverse_frequencies(head_dim, theta) if inverse is None else inverse
     angles = positions.float()[..., None] * inverse  # (..., D/2)
     return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
@@ -172,6 +177,7 @@ class HeadLayer:
         self.vocab = tensors["vocab"].long()  # (V',) target ids of the head's rows
         self.output_token_ids = self.vocab
         self.heads, self.head_dim, self.rope_theta, self.width = heads, width // heads, rope_theta, width
+        self.inverse = inverse_frequencies(self.head_dim, rope_theta)  # (D/2,)
         self.attn_norm = tensors["attn_norm"].to(dtype)
         self.mlp_norm = tensors["mlp_norm"].to(dtype)
 
@@ -207,7 +213,7 @@ class HeadLayer:
         x = self.fc(torch.cat([f, rms(self.embed[next_ids].float())], -1).to(self.dtype))  # (B, T, C)
         qkv = self.qkv(rms(x) * self.attn_norm).view(batch, num_new, 3, self.heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) each
-        cos, sin = rotary(positions, self.head_dim, self.rope_theta)  # (B, T, D)
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.inverse)  # (B, T, D)
         q, k = rotate(q.float(), cos[:, None], sin[:, None]), rotate(k.float(), cos[:, None], sin[:, None])
         slots = lengths[:, None] + torch.arange(num_new)  # (B, T)
         rows = torch.arange(batch)[:, None].expand(-1, num_new)
@@ -215,8 +221,8 @@ class HeadLayer:
         values[rows, :, slots] = v.transpose(1, 2).to(values.dtype)
         span = int(slots.max()) + 1
         visible = torch.arange(span)[None, None, :] <= slots[:, :, None]  # (B, T, S)
-        attended = F.scaled_dot_product_attention(
-            q, keys[:, :, :span].float(), values[:, :, :span].float(), attn_mask=visible[:, None]
+        attended = F.scaled_dot_product_attention(  # in the cache's dtype: no float32 copy of every key a step
+            q.to(keys.dtype), keys[:, :, :span], values[:, :, :span], attn_mask=visible[:, None]
         )  # (B, H, T, D)
         x = x + self.out(attended.transpose(1, 2).reshape(batch, num_new, -1).to(self.dtype))
         gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)

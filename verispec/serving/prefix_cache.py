@@ -6,6 +6,9 @@ same tokens at the very same positions. The target prefills in chunks that end o
 boundaries (Transformer.prefill), so a block's keys and values are those a prefill of the prompt
 would compute: reusing them changes no bit of the output.
 
+A server that drafts with a draft head keeps each block's last hidden states of the target too (the head's input:
+a prompt found here was never computed again), where the prompt's are all known.
+
 Memory is bounded: past `max_bytes`, the least recently used blocks that no other block extends
 are dropped first (a dropped parent would strand its children).
 """
@@ -31,11 +34,19 @@ class _Block:
     parent: BlockKey | None
     keys: list[torch.Tensor]  # per layer (H_kv, PREFILL_CHUNK, D)
     values: list[torch.Tensor]  # per layer (H_kv, PREFILL_CHUNK, D)
+    hidden: torch.Tensor | None = None  # (PREFILL_CHUNK, C) the target's last hidden states, for a draft head
     children: int = 0
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.keys + self.values)
+        return _nbytes(self.keys + self.values + ([self.hidden] if self.hidden is not None else []))
+
+
+def _span(hidden: torch.Tensor | None, start: int, size: int) -> torch.Tensor | None:
+    """A block's copy of hidden[start : start + size], or None where hidden does not reach its end."""
+    if hidden is None or len(hidden) < start + size:
+        return None
+    return hidden[start : start + size].clone()
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -100,8 +111,18 @@ class PrefixCache:
         self.stats.missed_tokens += len(token_ids) - reused
         return reused
 
-    def store(self, token_ids: list[int], cache: KVCache) -> None:
-        """Keep the whole blocks of token_ids that a one-row cache holds committed and this cache lacks."""
+    def hidden_states(self, token_ids: list[int], length: int) -> torch.Tensor | None:
+        """The last hidden states (length, C) the cached blocks of token_ids' first `length` tokens hold (what
+        `load` gave), or None where a block lacks them."""
+        chain = self._chain(token_ids)[: length // self.block_size]
+        if not chain or any(block.hidden is None for block in chain):
+            return None
+        return torch.cat([block.hidden for block in chain])
+
+    def store(self, token_ids: list[int], cache: KVCache, hidden: torch.Tensor | None = None) -> None:
+        """Keep the whole blocks of token_ids that a one-row cache holds committed and this cache lacks; with
+        hidden ((T, C), the target's last hidden states of token_ids' first T tokens), theirs too, and a block
+        kept without them gets them."""
         if self.max_bytes == 0:
             return
         committed = min(int(cache.lengths[0]), len(token_ids))
@@ -116,7 +137,8 @@ class PrefixCache:
                 if _nbytes(keys + values) > self.max_bytes:
                     return  # a block larger than the whole budget: nothing is copied
                 block = _Block(
-                    next(self._ids), key, parent_key, [k.clone() for k in keys], [v.clone() for v in values]
+                    next(self._ids), key, parent_key, [k.clone() for k in keys], [v.clone() for v in values],
+                    _span(hidden, start, self.block_size),
                 )
                 self._blocks[key] = block
                 self.nbytes += block.nbytes
@@ -128,6 +150,12 @@ class PrefixCache:
                     return
             else:
                 self._blocks.move_to_end(key)
+                if block.hidden is None and (states := _span(hidden, start, self.block_size)) is not None:
+                    block.hidden = states
+                    self.nbytes += _nbytes([states])
+                    self._evict(keep=key)
+                    if key not in self._blocks:
+                        return
             parent_key, parent = key, block.id
 
     def _evict(self, keep: BlockKey) -> None:

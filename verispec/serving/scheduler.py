@@ -545,13 +545,17 @@ class Scheduler:
             view = self.cache.rows(row, row + 1)
             sequence.prefilled = self.prefix_cache.load(sequence.prompt_ids[:-1], view)
             sequence.stats.cached_prompt_tokens = sequence.prefilled
+            if self.feeds_head and sequence.prefilled:  # the head's input for what was not computed again
+                hidden = self.prefix_cache.hidden_states(sequence.prompt_ids[:-1], sequence.prefilled)
+                if hidden is not None:
+                    sequence.prompt_features.append((0, hidden))
         self._prefilling = sequence
 
     def _begin_decoding(self, row: int, sequence: _Sequence) -> None:
         """The prompt is in (all but its last token): offer it to the prefix cache, set up drafting, decode."""
         prompt = sequence.prompt_ids
         if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt[:-1], self.cache.rows(row, row + 1))
+            self.prefix_cache.store(prompt[:-1], self.cache.rows(row, row + 1), self._prompt_hidden(sequence))
             if self.metrics is not None:
                 reused = sequence.stats.cached_prompt_tokens
                 self.metrics.prefix_lookup(reused, len(prompt) - 1 - reused, self.prefix_cache.nbytes)
@@ -571,6 +575,20 @@ class Scheduler:
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
             sequence.stats.prefill_seconds += time.perf_counter() - started
         self.active.append(sequence)
+
+    @staticmethod
+    def _prompt_hidden(sequence: _Sequence) -> torch.Tensor | None:
+        """The target's last hidden states of the whole prompt but its last token, where a draft head was handed
+        them all from the first position on (else None)."""
+        if not sequence.prompt_features or sequence.prompt_features[0][0] != 0:
+            return None
+        parts, end = [], 0
+        for position, features in sequence.prompt_features:
+            if position != end:
+                return None
+            parts.append(features)
+            end += len(features)
+        return torch.cat(parts)
 
     def _row_of(self, sequence: _Sequence | None) -> int | None:
         """The cache row of an active sequence (by identity); None when it is not decoding."""
