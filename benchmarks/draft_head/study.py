@@ -94,7 +94,8 @@ TRAIN_CHAT = [
 # these parts in a fixed order; none of them is one of the measured prompts.
 MORE_CHAT_FORMS = [
     "How do I {}?", "Can you explain {} in simple terms?", "What are the pros and cons of {}?",
-    "Give me a step-by-step plan for {}.", "What should I know before {}?", "What are common mistakes people make when {}?",
+    "Give me a step-by-step plan for {}.", "What should I know before {}?",
+    "What are common mistakes people make when {}?",
     "Write a short, friendly message to a colleague about {}.", "I need help with {}. Where do I start?",
 ]
 MORE_CHAT_TOPICS = [
@@ -119,7 +120,8 @@ MORE_CODE_TASKS = [
     "finds the longest common prefix of a list of strings", "flattens a nested list", "validates an email address",
     "computes the n-th Fibonacci number with memoization", "groups a list of records by a key",
     "retries a function call with exponential backoff", "reads a JSON config file with defaults",
-    "implements a simple LRU cache", "converts a Roman numeral to an integer", "removes duplicates while keeping order",
+    "implements a simple LRU cache", "converts a Roman numeral to an integer",
+    "removes duplicates while keeping order",
     "finds all prime numbers below n", "formats a number of bytes as a human-readable string",
     "computes the moving average of a list", "checks whether two strings are anagrams", "rotates a matrix by 90 degrees",
 ]
