@@ -123,7 +123,8 @@ MORE_CODE_TASKS = [
     "implements a simple LRU cache", "converts a Roman numeral to an integer",
     "removes duplicates while keeping order",
     "finds all prime numbers below n", "formats a number of bytes as a human-readable string",
-    "computes the moving average of a list", "checks whether two strings are anagrams", "rotates a matrix by 90 degrees",
+    "computes the moving average of a list", "checks whether two strings are anagrams",
+    "rotates a matrix by 90 degrees",
 ]
 
 
