@@ -266,3 +266,21 @@ def test_a_prompt_found_in_the_prefix_cache_brings_its_hidden_states_to_the_head
     assert outputs == [plain, plain]
     assert scheduler.prefix_cache.stats.hit_tokens >= PREFILL_CHUNK
     assert all(block.hidden is not None for block in scheduler.prefix_cache._blocks.values())
+
+
+def test_the_command_line_drafts_with_a_head_file_and_says_how_to_build_a_missing_one(capsys, tiny_dir, target,
+                                                                                       tmp_path, own_cache):
+    import json
+
+    from verispec.cli import main
+
+    common = ["generate", "--json", "--target", str(tiny_dir), "--dtype", "float32", "--prompt", "def add(a, b):",
+              "--max-new-tokens", "24"]
+    assert main([*common, "--draft", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--draft", head_file(target, tmp_path, seed=10), "--k", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
+    assert main([*common, "--draft", "head"]) == 2
+    error = capsys.readouterr().err
+    assert "make head" in error and "Traceback" not in error
