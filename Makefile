@@ -39,12 +39,15 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
 # The draft head `--draft head` loads, for the default target (benchmarks/draft_head/study.py: the target's own
-# answers and standard-library text teacher-forced through it, then HEAD_MINUTES of training on this CPU). About
-# 80 minutes on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so a rerun picks up where it stopped.
+# answers to 448 prompts never measured, greedy and sampled, and 300k tokens of standard-library text, teacher-forced
+# through it, then HEAD_MINUTES of training on this CPU: the data of benchmarks/results/xeon/draft-head run 3). About
+# 100 minutes on 2 cores; each step's output is kept in HEAD_WORK (about 5 GB), so a rerun picks up where it stopped.
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_MINUTES ?= 30
 head: models
 	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
+		--early-layers --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS)
 

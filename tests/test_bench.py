@@ -77,10 +77,10 @@ def test_bench_end_to_end_on_tiny_models(tmp_path, tiny_dir, other_tiny_dir, cap
     assert len(results["prompts"]) == 2 and results["command"].startswith("verispec bench")
     assert "commit" in results and results["machine_kind"]  # where it came from (benchmarks/results/<kind>/)
     choices = results["choices"]  # what the run chose by itself, printed under the table too
-    assert choices["modes"]["spec-k2"] == {"drafter": "DraftModelDrafter", "k": 2} and "hf-plain" not in choices["modes"]
+    assert choices["modes"]["spec-k2"] == {"drafter": "draft model", "k": 2} and "hf-plain" not in choices["modes"]
     assert choices["targets"][0]["format"] == "none"
     printed = capsys.readouterr().out
-    assert "plain" in printed and "spec-k4: drafter DraftModelDrafter, k 4" in printed
+    assert "plain" in printed and "spec-k4: drafter draft model, k 4" in printed
 
 
 def test_bench_rejects_bad_arguments(capsys, tiny_dir):

@@ -284,3 +284,12 @@ def test_the_command_line_drafts_with_a_head_file_and_says_how_to_build_a_missin
     assert main([*common, "--draft", "head"]) == 2
     error = capsys.readouterr().err
     assert "make head" in error and "Traceback" not in error
+
+
+def test_the_bench_says_a_head_drafts(target, tmp_path):
+    from verispec.bench.command import drafter_label
+
+    path = head_file(target, tmp_path, seed=11)
+    assert drafter_label(make_drafter("composite", target, path)) == (
+        f"suffix index, then draft head ({target.model.vocab_size} tokens)"
+    )

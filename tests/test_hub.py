@@ -126,7 +126,8 @@ def test_a_target_without_a_known_draft_runs_the_best_model_free_drafter(tiny_on
     assert named["drafter"] == "prompt-lookup" and "note" not in err
 
 
-def test_pairing_keeps_the_catalog_draft_for_a_catalog_target():
+def test_pairing_keeps_the_catalog_draft_for_a_catalog_target_or_its_head_where_one_is_built(own_cache):
+    from verispec.drafters.draft_head import head_path
     from verispec.drafters.pairing import pair_drafter
     from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -135,6 +136,11 @@ def test_pairing_keeps_the_catalog_draft_for_a_catalog_target():
     assert pair_drafter(DEFAULT_TARGET, None, None).note is None
     assert pair_drafter("org/tiny", "none", None).drafter == "none"  # --draft none: plain decoding, no note
     assert pair_drafter("org/tiny", None, "suffix-index").note is None
+    head_path(DEFAULT_TARGET).parent.mkdir(parents=True)
+    head_path(DEFAULT_TARGET).write_bytes(b"")  # `make head` built one (what it holds is read at load)
+    built = pair_drafter(DEFAULT_TARGET, None, None)
+    assert (built.drafter, built.draft) == ("composite", "head")
+    assert DEFAULT_DRAFT in built.note and pair_drafter(DEFAULT_TARGET, DEFAULT_DRAFT, None).draft == DEFAULT_DRAFT
 
 
 @pytest.fixture(scope="module")

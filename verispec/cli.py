@@ -554,7 +554,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(scheduler, metrics, settings)
     keys = f", {len(settings.api_keys)} API key(s)" if settings.api_keys else ", no API key (open)"
     print(
-        f"verispec: serving {settings.model_name!r} as {scheduler.target.format.label} (drafter {drafter}, k {args.k}, "
+        f"verispec: serving {settings.model_name!r} as {scheduler.target.format.label} (drafter {drafter}"
+        f"{f' over draft {pairing.draft}' if pairing.draft and drafter != 'none' else ''}, k {args.k}, "
         f"batch {limits.max_batch_size}, context {scheduler.limits.max_context}{keys}) on "
         f"http://{args.host}:{sock.getsockname()[1]}/v1",
         file=sys.stderr,

@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from verispec.models.linear import QUANTIZE_CHOICES
 
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for spec and composite")
+    parser.add_argument("--draft", default=None,
+                        help="draft model for spec and composite (default: the target's draft head where `make head` "
+                             "built one, else its catalog draft model)")
     parser.add_argument("--cross-draft", default="smollm2-135m-instruct", help="draft model (own tokenizer) for cross")
     parser.add_argument("--corpus", type=Path, action="append", default=[], help="files/directories for suffix")
     parser.add_argument("--workload", default="humaneval", help="humaneval, code-edit, chat, or a JSONL file")
@@ -100,8 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_modes(args, target, console) -> list:
     from verispec.bench.modes import EngineMode, HuggingFaceMode
     from verispec.bench.adversarial import scrambled_drafter
-    from verispec.drafters import make_drafter
+    from verispec.drafters import is_head_spec, make_drafter
     from verispec.engine import SpeculativeEngine
+    from verispec.models.catalog import DEFAULT_DRAFT
     from verispec.models.loading import resolve_model
 
     modes = []
@@ -110,6 +113,8 @@ def build_modes(args, target, console) -> list:
     for mode, kind in DRAFTER_OF_MODE.items():
         if mode in args.modes:
             draft = args.cross_draft if mode == "cross" else args.draft
+            if mode == "unrelated" and is_head_spec(draft):
+                draft = DEFAULT_DRAFT  # the scrambled draft model: a draft that never agrees at a real draft's cost
             drafter = make_drafter(
                 kind, target, draft, args.dtype, args.draft_quantize, args.corpus, progress=True, vocab=args.draft_vocab
             )
@@ -127,7 +132,7 @@ def build_modes(args, target, console) -> list:
         if "hf-plain" in args.modes:
             modes.append(HuggingFaceMode("hf-plain", hf_target, target.tokenizer, target.eos_token_ids))
         if "hf-assisted" in args.modes:
-            _, draft_dir, _ = resolve_model(args.draft, progress=True)
+            _, draft_dir, _ = resolve_model(DEFAULT_DRAFT if is_head_spec(args.draft) else args.draft, progress=True)
             hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=target.model.dtype).eval()
             modes.append(HuggingFaceMode("hf-assisted", hf_target, target.tokenizer, target.eos_token_ids, hf_draft))
             modes += [
@@ -151,8 +156,24 @@ def made_choices(targets: list, modes: list) -> dict:
     return {
         "targets": [t.format.as_dict() for t in targets],
         "draft_formats": drafts,
-        "modes": {m.name: {"drafter": type(m.engine.drafter).__name__, "k": m.k} for m in ours},
+        "modes": {m.name: {"drafter": drafter_label(m.engine.drafter), "k": m.k} for m in ours},
     }
+
+
+def drafter_label(drafter) -> str:
+    """What drafts, in words: "suffix index, then draft head (32768 tokens)" for a composite of the two."""
+    from verispec.drafters.draft_head import HeadLayer
+
+    parts = []
+    for part in getattr(drafter, "drafters", [drafter]):
+        model = getattr(part, "model", None)
+        if isinstance(model, HeadLayer):
+            parts.append(f"draft head ({len(model.vocab)} tokens)")
+        elif getattr(part, "source", None):
+            parts.append(part.source.replace("-", " "))
+        else:
+            parts.append(type(part).__name__)
+    return ", then ".join(parts)
 
 
 def choice_lines(choices: dict) -> list[str]:
@@ -188,7 +209,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
     from verispec.bench.machine import git_commit, machine_description, machine_kind
+    from verispec.drafters.pairing import default_draft
     from verispec.engine import GenerationConfig
+    from verispec.models.catalog import DEFAULT_DRAFT
     from verispec.models.loading import load_model
     from verispec.sampling import SamplingParams
 
@@ -198,6 +221,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.draft = args.draft or default_draft(args.target) or DEFAULT_DRAFT  # the head where `make head` built one
     console = Console(stderr=True)
     prompts = load_workload(args.workload, args.limit)
     if args.check:

@@ -1,6 +1,8 @@
 """Which drafter runs when a command is not told everything: a target without a draft, a draft of another tokenizer.
 
-A catalog target comes with the catalog's draft model (DEFAULT_DRAFT: the same tokenizer, a third of the size).
+A catalog target comes with the catalog's draft model (DEFAULT_DRAFT: the same tokenizer, a third of the size), or
+with its draft head where `make head` built one on this machine (`default_draft`: cheaper and accepted more often
+behind the suffix index, in every committed run so far).
 Any other target (a hub id, a directory, a GGUF file) has no draft model known to pair with it, so the best drafter
 that needs none runs. A draft model whose tokenizer differs from the target's drafts through the cross-tokenizer
 drafter. Nothing here prints: the notes are returned for the command line to show.
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.drafters import DEFAULT_DRAFTER, CrossTokenizerDrafter, Drafter, drafter_for
+from verispec.drafters import DEFAULT_DRAFTER, HEAD_DRAFT, CrossTokenizerDrafter, Drafter, drafter_for
+from verispec.drafters.draft_head import head_path
 from verispec.models.catalog import CATALOG, DEFAULT_DRAFT
 
 # The drafters that need no draft model, best first: the suffix index beat prompt lookup in the committed
@@ -27,6 +30,14 @@ class Pairing:
     note: str | None = None  # a line for the user where the command chose what they did not say; else None
 
 
+def default_draft(target: str) -> str | None:
+    """A catalog target's draft when none is named: its draft head where one is built here (`make head`), else the
+    catalog's draft model; any other target's: none."""
+    if str(target) not in CATALOG:
+        return None
+    return HEAD_DRAFT if head_path(str(target)).is_file() else DEFAULT_DRAFT
+
+
 def pair_drafter(target: str, draft: str | None, drafter: str | None) -> Pairing:
     """What runs with `target`, given `draft` (None: no --draft given) and `drafter` (None: none named).
 
@@ -34,8 +45,12 @@ def pair_drafter(target: str, draft: str | None, drafter: str | None) -> Pairing
     either, the best model-free drafter runs, with a note. Otherwise as drafter_for: `--draft none` is plain
     decoding unless a model-free drafter is named.
     """
+    note = None
     if draft is None and str(target) in CATALOG:
-        draft = DEFAULT_DRAFT
+        draft = default_draft(target)
+        if draft == HEAD_DRAFT:
+            note = (f"drafting with the draft head built for {target} ({head_path(str(target))}); "
+                    f"--draft {DEFAULT_DRAFT} drafts with the draft model instead")
     if draft is None and drafter is None:
         best = MODEL_FREE_DRAFTERS[0]
         note = (
@@ -44,7 +59,7 @@ def pair_drafter(target: str, draft: str | None, drafter: str | None) -> Pairing
         )
         return Pairing(best, None, note)
     no_model = draft is None or draft.lower() == "none"
-    return Pairing(drafter_for(drafter, draft), None if no_model else draft)
+    return Pairing(drafter_for(drafter, draft), None if no_model else draft, note)
 
 
 def drafts_across_tokenizers(drafter: Drafter | None) -> bool:
