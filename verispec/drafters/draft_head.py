@@ -189,7 +189,6 @@ class HeadLayer:
         self.fc, self.qkv = linear(fc), linear(tensors["qkv.weight"], tensors["qkv.bias"])
         self.out, self.gate_up, self.down = linear(tensors["out"]), linear(tensors["gate_up"]), linear(tensors["down"])
         self.lm_head = linear(head_rows)  # (V', C)
-        self.parameters = sum(t.numel() for name, t in tensors.items() if name != "vocab")
 
     def new_cache(self, batch_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values, (B, H, capacity, D) each."""
