@@ -21,7 +21,8 @@ EXIT_USAGE = 2
 TARGET_HELP = "catalog name, .gguf file, Hugging Face directory, or hub id org/name[@revision]"
 DRAFT_HELP = (
     "draft model (as --target), 'head' for the draft head `make head` built for the target (or a head's "
-    ".safetensors file), or 'none' for plain decoding; default: a catalog target's own draft, for any other "
+    ".safetensors file), or 'none' for plain decoding; default: a catalog target's own draft (its head where "
+    "`make head` built one), for any other "
     "target none (the best drafter that needs no model runs)"
 )
 
