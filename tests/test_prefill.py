@@ -197,8 +197,8 @@ def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keep
     for chunked in (True, False):
         calls = []  # (tokens offered, max_tokens, tokens fed)
 
-        def prefill(token_ids, cache, max_tokens=None):
-            fed = real_prefill(token_ids, cache, max_tokens)
+        def prefill(token_ids, cache, max_tokens=None, hidden_out=None):
+            fed = real_prefill(token_ids, cache, max_tokens, hidden_out)
             calls.append((len(token_ids), max_tokens, fed))
             return fed
 
@@ -233,10 +233,14 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
     )
     prefills, packed = [], []  # prompt tokens fed by prefill; row widths of each packed forward
     real_prefill, real_packed = loaded.model.prefill, loaded.model.forward_packed
-    monkeypatch.setattr(loaded.model, "prefill", lambda ids, cache, most=None: prefills.append(len(ids)) or real_prefill(ids, cache, most))
+    monkeypatch.setattr(
+        loaded.model, "prefill",
+        lambda ids, cache, most=None, hidden_out=None: prefills.append(len(ids)) or real_prefill(ids, cache, most, hidden_out),
+    )
     monkeypatch.setattr(
         loaded.model, "forward_packed",
-        lambda rows, cache, wanted: packed.append((len(rows[-1]), wanted[-1])) or real_packed(rows, cache, wanted),
+        lambda rows, cache, wanted, hidden_out=None: packed.append((len(rows[-1]), wanted[-1]))
+        or real_packed(rows, cache, wanted, hidden_out),
     )
     scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=True)
     scheduler._prefill_token_seconds = 0.01  # as if a whole prefill had been timed: chunks of largest_fitting_chunk's size

@@ -560,7 +560,8 @@ def test_k_per_sequence_keeps_batched_greedy_equal_to_single_requests(tiny_dir, 
     verify = scheduler.target.model.forward_packed if quantize == "w4a8" else None
     if verify is not None:
         monkeypatch.setattr(
-            scheduler.target.model, "forward_packed", lambda rows, *a: widths.append([len(r) for r in rows]) or verify(rows, *a)
+            scheduler.target.model, "forward_packed",
+            lambda rows, *a, **kw: widths.append([len(r) for r in rows]) or verify(rows, *a, **kw),
         )
     events = run_all(scheduler, PROMPTS, [GenerationConfig(max_new_tokens=n) for n in lengths])
     assert [[t for e in evs for t in e.token_ids] for evs in events] == expected

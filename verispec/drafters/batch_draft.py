@@ -193,8 +193,8 @@ class BatchedDraftModel:
         behind than LONG_TAIL catches up alone first; the rows so behind share at most catch_up_limit
         tokens a call, nearest first (None: all at once); until caught up a row proposes nothing. A
         row with a grammar drafts from q masked by it at every position (its state walks the drafts
-        and comes back), and stops drafting once the document is complete. prompt_lengths: where each row's generated tokens start, for
-        penalties (which shape q as they shape p).
+        and comes back), and stops drafting once the document is complete. prompt_lengths: where each
+        row's generated tokens start, for penalties (which shape q as they shape p).
         """
         grammars = grammars if grammars is not None else [None] * len(tokens)
         n = len(tokens)

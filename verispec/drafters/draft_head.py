@@ -57,6 +57,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def fc_input(embed: torch.Tensor, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """What the layer's fc reads: normalized features (..., C) beside the normalized embedding of each next token
+    (...,), (..., 2C) in float32."""
+    return torch.cat([features, rms(embed[next_ids].float())], -1)
+
+
+def residual_mlp(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The layer after its attention: x (B, T, C) plus the attention output (B, T, H D) through `out`, then plus the
+    MLP's (layer's out, gate_up, down, mlp_norm: a DraftHead's or a HeadLayer's); before the final norm."""
+    x = x + layer.out(attended)
+    gate, up = layer.gate_up(rms(x) * layer.mlp_norm).chunk(2, -1)
+    return x + layer.down(F.silu(gate) * up)
+
+
 class DraftHead(torch.nn.Module):
     """fc([rms(f_t), rms(emb(x_{t+1}))]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}).
 
@@ -93,7 +107,7 @@ class DraftHead(torch.nn.Module):
 
     def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """(..., C) normalized features and (...,) next token ids -> the layer's input (..., C)."""
-        return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1))
+        return self.fc(fc_input(self.embed, features, next_ids))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,) shared by the rows, or (B, T) each row's."""
@@ -108,10 +122,7 @@ class DraftHead(torch.nn.Module):
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual, MLP and the normalized predicted feature (B, T, C)."""
         b, t, _ = x.shape
-        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
-        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
-        x = x + self.down(F.silu(gate) * up)
-        return rms(x)
+        return rms(residual_mlp(self, x, attended.transpose(1, 2).reshape(b, t, -1)))
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: features (B, T, C) normalized f_0..f_{T-1}, next_ids (B, T) x_1..x_T -> predicted
@@ -209,7 +220,7 @@ class HeadLayer:
         """
         batch, num_new = next_ids.shape
         f = features.float() if normalized else rms(features.float())
-        x = self.fc(torch.cat([f, rms(self.embed[next_ids].float())], -1).to(self.dtype))  # (B, T, C)
+        x = self.fc(fc_input(self.embed, f, next_ids).to(self.dtype))  # (B, T, C)
         qkv = self.qkv(rms(x) * self.attn_norm).view(batch, num_new, 3, self.heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) each
         cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.inverse)  # (B, T, D)
@@ -223,10 +234,8 @@ class HeadLayer:
         attended = F.scaled_dot_product_attention(  # in the cache's dtype: no float32 copy of every key a step
             q.to(keys.dtype), keys[:, :, :span], values[:, :, :span], attn_mask=visible[:, None]
         )  # (B, H, T, D)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, num_new, -1).to(self.dtype))
-        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
-        x = x + self.down(F.silu(gate) * up)
-        return rms(x.float())  # (B, T, C)
+        attended = attended.transpose(1, 2).reshape(batch, num_new, -1).to(self.dtype)  # (B, T, H D)
+        return rms(residual_mlp(self, x, attended).float())  # (B, T, C)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(..., C) normalized predicted features -> float32 scores (..., V') over `vocab`."""

@@ -490,8 +490,7 @@ class Scheduler:
         hidden: list[torch.Tensor] | None = [] if self.feeds_head else None
         fed = self.target.model.prefill(
             prompt[sequence.prefilled :], self.cache.rows(row, row + 1),
-            self._prefill_budget(sequence) if row and self.chunked_prefill else None,
-            **({} if hidden is None else {"hidden_out": hidden}),
+            self._prefill_budget(sequence) if row and self.chunked_prefill else None, hidden_out=hidden,
         )
         if hidden:
             sequence.prompt_features.append((sequence.prefilled, torch.cat(hidden)))
@@ -804,7 +803,7 @@ class Scheduler:
             # One packed forward over every row's [pending, drafts...] and the chunk: each row as wide as it is.
             row_logits = self.target.model.forward_packed(
                 row_tokens + ([chunk] if chunk else []), self.cache.rows(0, n + bool(chunk)),
-                [True] * n + [False] * bool(chunk), **({} if hidden is None else {"hidden_out": hidden}),
+                [True] * n + [False] * bool(chunk), hidden_out=hidden,
             )  # (1 + k_b, V) per row
         else:
             # One target forward over every row's [pending, drafts...], right-padded to the longest.
@@ -812,9 +811,7 @@ class Scheduler:
             for b, tokens in enumerate(row_tokens):
                 inputs[b, : len(tokens)] = torch.tensor(tokens)
             padded_hidden = [] if hidden is not None else None
-            logits = self.target.model.forward(
-                inputs, self.cache.rows(0, n), **({} if hidden is None else {"hidden_out": padded_hidden})
-            )  # (n, 1 + k, V)
+            logits = self.target.model.forward(inputs, self.cache.rows(0, n), hidden_out=padded_hidden)  # (n, 1 + k, V)
             row_logits = [logits[b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
             if hidden is not None:
                 hidden = [padded_hidden[0][b, : len(tokens)] for b, tokens in enumerate(row_tokens)]
