@@ -432,10 +432,16 @@ def cmd_train(args) -> None:
 # ---------------------------------------------------------------- measuring it
 
 
+RANK_MISS = 1 << 20  # a rank no tree reaches: the token is outside the head's vocabulary, or past the answer
+
+
 @torch.no_grad()
-def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
-    """For every position t of the answer: the head's `depth` greedy drafts after the target chose x_{t+1},
-    seeing the target's true features up to t. Returns (N, depth) target ids, for t = answer_start-1 .. T-2."""
+def unroll(head: DraftHead, row: dict, depth: int, fed: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every position t of the answer (t = answer_start-1 .. T-2), the head run `depth` steps after the
+    target chose x_{t+1}, seeing the target's true features up to t. Each step feeds back its predicted feature
+    and a token: its own argmax (fed="draft": a greedy chain) or the answer's true token (fed="truth": the path a
+    token tree accepts along). Returns (drafts, ranks), each (N, depth): the head's argmax target ids, and the
+    rank of the true token x_{t+2+d} among its guesses at depth d (RANK_MISS outside its vocabulary or answer)."""
     f = rms(row["features"].float())  # (T, C)
     ids = row["ids"]
     T = len(ids)
@@ -447,29 +453,45 @@ def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
     predicted = head.finish(x, attended)[0]  # (T-1, C): predicted f_{t+1}
     queries = torch.arange(first, T - 1)  # (N,)
     n = len(queries)
+    slot = torch.full((max(int(ids.max()), int(head.vocab.max())) + 1,), -1, dtype=torch.long)
+    slot[head.vocab] = torch.arange(len(head.vocab))  # target id -> head index, -1 if none
     drafts = torch.zeros(n, depth, dtype=torch.long)
-    token = head.vocab[head.logits(predicted[queries]).argmax(-1)]  # (N,) draft for x_{t+2}
-    drafts[:, 0] = token
+    ranks = torch.full((n, depth), RANK_MISS, dtype=torch.long)
     feature = predicted[queries]  # (N, C)
     chain_k, chain_v = [], []
     mask = positions[None, :] <= queries[:, None]  # (N, T-1): true keys each chain sees
-    for d in range(1, depth):
-        # input at position t + d: (predicted f_{t+d}, draft x_{t+d+1})
-        xi = head.layer_input(feature[:, None], token[:, None])  # (N, 1, C)
-        qi, ki, vi = head.project(xi, (queries + d)[:, None])  # (N, H, 1, D) each, at its own position
-        chain_k.append(ki)
-        chain_v.append(vi)
-        keys = torch.cat([k[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_k, 2).transpose(1, 2)], 1)
-        values = torch.cat([v[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_v, 2).transpose(1, 2)], 1)
-        # keys: (N, S, H, D) with S = T-1 + d
-        visible = torch.cat([mask, torch.ones(n, d, dtype=torch.bool)], 1)  # (N, S)
-        scores = torch.einsum("nhd,nshd->nhs", qi[:, :, 0], keys) / head.head_dim**0.5
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        out = torch.einsum("nhs,nshd->nhd", scores.softmax(-1), values)  # (N, H, D)
-        feature = head.finish(xi, out[:, :, None])[:, 0]  # (N, C)
-        token = head.vocab[head.logits(feature).argmax(-1)]
-        drafts[:, d] = token
-    return drafts
+    for d in range(depth):
+        if d > 0:
+            # input at position t + d: (predicted f_{t+d}, the token fed at depth d-1)
+            xi = head.layer_input(feature[:, None], token[:, None])  # (N, 1, C)
+            qi, ki, vi = head.project(xi, (queries + d)[:, None])  # (N, H, 1, D) each, at its own position
+            chain_k.append(ki)
+            chain_v.append(vi)
+            keys = torch.cat([k[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_k, 2).transpose(1, 2)], 1)
+            values = torch.cat([v[0].transpose(0, 1).expand(n, -1, -1, -1), torch.cat(chain_v, 2).transpose(1, 2)], 1)
+            # keys: (N, S, H, D) with S = T-1 + d
+            visible = torch.cat([mask, torch.ones(n, d, dtype=torch.bool)], 1)  # (N, S)
+            scores = torch.einsum("nhd,nshd->nhs", qi[:, :, 0], keys) / head.head_dim**0.5
+            scores = scores.masked_fill(~visible[:, None], float("-inf"))
+            out = torch.einsum("nhs,nshd->nhd", scores.softmax(-1), values)  # (N, H, D)
+            feature = head.finish(xi, out[:, :, None])[:, 0]  # (N, C)
+        logits = head.logits(feature)  # (N, V_head)
+        drafts[:, d] = head.vocab[logits.argmax(-1)]
+        truth_at = queries + 2 + d  # x_{t+2+d}
+        inside = truth_at < T
+        truth = ids[truth_at.clamp(max=T - 1)]
+        index = slot[truth]
+        hit = inside & (index >= 0)
+        true_logit = logits.gather(1, index.clamp(min=0)[:, None])  # (N, 1)
+        rank = (logits > true_logit).sum(-1)
+        ranks[:, d] = torch.where(hit, rank, torch.full_like(rank, RANK_MISS))
+        token = truth if fed == "truth" else drafts[:, d]
+    return drafts, ranks
+
+
+def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
+    """The head's `depth` greedy drafts after each answer position: (N, depth) target ids (see unroll)."""
+    return unroll(head, row, depth, fed="draft")[0]
 
 
 def greedy_steps(truth: torch.Tensor, drafts: torch.Tensor, k: int) -> tuple[int, int]:
@@ -502,6 +524,58 @@ def position_acceptance(truth: torch.Tensor, drafts: torch.Tensor) -> list[float
 
 
 @torch.no_grad()
+def tree_steps(ranks: torch.Tensor, tree: set[tuple[int, ...]]) -> tuple[int, int]:
+    """Greedy speculative decoding over one answer with a static token tree, a prefix-closed set of rank paths
+    (node (0, 2): the head's best guess at depth 1, then its third guess after it): (target forwards, tokens).
+    ranks[i]: the true path's ranks after the answer's token i was chosen (unroll, fed="truth"). A step accepts
+    the longest prefix of that path the tree holds, then the target's own token."""
+    i, forwards, n = 0, 0, len(ranks)
+    depth = ranks.shape[1]
+    while i < n:
+        forwards += 1
+        path = tuple(int(r) for r in ranks[i])
+        accepted = 0
+        while accepted < depth and path[: accepted + 1] in tree:
+            accepted += 1
+        i += accepted + 1
+    return forwards, n
+
+
+def fit_tree(ranks: list[torch.Tensor], nodes: int) -> set[tuple[int, ...]]:
+    """The `nodes` rank paths the true path most often starts with (prefix-closed): the best static tree of that
+    size for these answers (EAGLE-2's shape, from counts rather than the head's own probabilities)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for answer in ranks:
+        for path in answer.tolist():
+            for d in range(len(path)):
+                if path[d] >= RANK_MISS:
+                    break
+                key = tuple(path[: d + 1])
+                counts[key] = counts.get(key, 0) + 1
+    tree: set[tuple[int, ...]] = set()
+    for key in sorted(counts, key=lambda key: (-counts[key], len(key), key)):
+        if len(tree) == nodes:
+            break
+        if len(key) == 1 or key[:-1] in tree:
+            tree.add(key)
+    return tree
+
+
+def tree_ms(tree: set[tuple[int, ...]], head_ms: dict[int, float], target_ms) -> float:
+    """A step's forwards: one head step per depth over the nodes that have children there (the root first),
+    then one target pass over the tree and the token before it."""
+    parents: dict[int, set[tuple[int, ...]]] = {}
+    for node in tree:
+        parents.setdefault(len(node) - 1, set()).add(node[:-1])
+
+    def head(rows: int) -> float:
+        known = sorted(head_ms)
+        below = max([r for r in known if r <= rows], default=known[0])
+        return head_ms[below] * rows / below if rows > max(known) else head_ms[below]
+
+    return sum(head(len(p)) for p in parents.values()) + target_ms(len(tree) + 1)
+
+
 def first_position_agreement(model, row: dict) -> tuple[int, int]:
     """How often a model's own argmax after the answer's committed prefix is the target's next answer token:
     (hits, positions), teacher-forced; a draft model's first-position acceptance under greedy decoding."""
@@ -529,9 +603,10 @@ def time_forward(function, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def head_cost(head: DraftHead, target_model, context: int = 256) -> dict:
+def head_cost(head: DraftHead, target_model, context: int = 256, rows: int = 1) -> dict:
     """One draft position's cost in the served formats: the layer's and head's matmuls as verispec Linears in
-    the target's weight format, attention over `context` cached keys; and the target's one-token forward."""
+    the target's weight format, attention over `context` cached keys; and the target's one-token forward.
+    `rows` > 1: that many positions at once (a token tree's nodes at one depth)."""
     from verispec.models.linear import Linear
 
     fmt = target_model.weight_format
@@ -545,14 +620,15 @@ def head_cost(head: DraftHead, target_model, context: int = 256) -> dict:
     fc, qkv, out = linear(head.fc.weight), linear(head.qkv.weight), linear(head.out.weight)
     gate_up, down, lm = linear(head.gate_up.weight), linear(head.down.weight), linear(head.head)
     keys = torch.randn(1, head.heads, context, head.head_dim, dtype=target_model.dtype)
-    x = torch.randn(1, 2 * width, dtype=target_model.dtype)
+    x = torch.randn(rows, 2 * width, dtype=target_model.dtype)
 
     @torch.inference_mode()
     def step():
         h = fc(x)
         q, _ = qkv(h).split([width, 2 * width], -1)
-        a = F.scaled_dot_product_attention(q.view(1, head.heads, 1, head.head_dim), keys, keys)
-        h = h + out(a.reshape(1, width))
+        q = q.view(rows, head.heads, head.head_dim).transpose(0, 1)[None]  # (1, H, rows, D)
+        a = F.scaled_dot_product_attention(q, keys, keys)
+        h = h + out(a[0].transpose(0, 1).reshape(rows, width))
         g, u = gate_up(h).chunk(2, -1)
         h = h + down(F.silu(g) * u)
         return lm(h).argmax(-1)
@@ -632,7 +708,26 @@ def cmd_price(args) -> None:
     """Markdown rows: each run's chain k priced from whole forwards timed side by side (tree-potential's run.json:
     the target's forward by new tokens) and the head's measured cost, against a plain step; forwards alone, no
     sampling or Python (an upper bound, as tree-potential's)."""
-    forward = {int(k): v for k, v in json.loads(Path(args.forwards).read_text())["forward_ms"]["target"].items()}
+    target_ms = forward_ms(args.forwards)
+    print("| run | workload | alpha by position | k | tokens / forward | x plain |")
+    print("|---|---|---|---|---|---|")
+    for path in args.runs:
+        results = json.loads(Path(path).read_text())
+        head_ms = results["cost"]["head_ms"]
+        for name, measured in results["workloads"].items():
+            speedups = {
+                int(k): tokens * target_ms(1) / (int(k) * head_ms + target_ms(int(k) + 1))
+                for k, tokens in measured["tokens_per_forward"].items()
+            }
+            k = max(speedups, key=speedups.get)
+            alphas = " / ".join(f"{a:.2f}" for a in measured["alpha_by_position"])
+            tokens = measured["tokens_per_forward"][str(k)]
+            print(f"| {Path(path).parent.name} | {name} | {alphas} | {k} | {tokens:.2f} | {speedups[k]:.2f}x |")
+
+
+def forward_ms(path: str):
+    """The target's forward cost (ms) by new tokens, from tree-potential's run.json, interpolated."""
+    forward = {int(k): v for k, v in json.loads(Path(path).read_text())["forward_ms"]["target"].items()}
 
     def target_ms(tokens: int) -> float:
         if tokens in forward:
@@ -641,20 +736,60 @@ def cmd_price(args) -> None:
         high = min(t for t in forward if t > tokens)
         return forward[low] + (forward[high] - forward[low]) * (tokens - low) / (high - low)
 
-    print("| run | workload | alpha by position | k | tokens / forward | x plain |")
-    print("|---|---|---|---|---|---|")
-    for path in args.runs:
-        results = json.loads(Path(path).read_text())
-        head_ms = results["cost"]["head_ms"]
-        for name, measured in results["workloads"].items():
-            speedups = {
-                int(k): tokens * forward[1] / (int(k) * head_ms + target_ms(int(k) + 1))
-                for k, tokens in measured["tokens_per_forward"].items()
-            }
-            k = max(speedups, key=speedups.get)
-            alphas = " / ".join(f"{a:.2f}" for a in measured["alpha_by_position"])
-            tokens = measured["tokens_per_forward"][str(k)]
-            print(f"| {Path(path).parent.name} | {name} | {alphas} | {k} | {tokens:.2f} | {speedups[k]:.2f}x |")
+    return target_ms
+
+
+def cmd_trees(args) -> None:
+    """Would token trees over the head's guesses pay? Greedy acceptance along each answer's true path, for
+    chains and the best static trees of each size (fitted on half the prompts, counted on the other half, both
+    ways), priced from whole forwards timed side by side (--forwards) and the head timed at 1..8 rows here."""
+    from verispec.models.loading import load_model
+
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    saved = torch.load(work / "head.pt")
+    dense = load_model(TARGET)
+    head = build_head(dense, saved["vocab"], saved["intermediate"])
+    head.load_state_dict(saved["state"], strict=False)
+    head.eval()
+    served = load_model(TARGET, quantize="auto")
+    head_ms = {rows: head_cost(head, served.model, rows=rows)["head_ms"] for rows in (1, 2, 4, 8)}
+    log(f"head ms by rows {head_ms}")
+    target_ms = forward_ms(args.forwards)
+    plain = target_ms(1)
+    results = {"head_ms_by_rows": head_ms, "forwards": args.forwards, "depth": args.depth, "workloads": {}}
+    for name in ("humaneval", "chat", "code-edit"):
+        rows = torch.load(work / f"eval-{name}.pt")
+        ranks = [unroll(head, row, args.depth, fed="truth")[1] for row in rows]
+        first = torch.cat([r[:, 0] for r in ranks])
+        top = {b: float((first < b).float().mean()) for b in (1, 2, 3, 4, 8)}
+        shapes = {}
+        for k in range(1, args.depth + 1):
+            chain = {(0,) * d for d in range(1, k + 1)}
+            shapes[f"chain {k}"] = (chain, chain)
+        for nodes in args.nodes:
+            halves = (fit_tree(ranks[0::2], nodes), fit_tree(ranks[1::2], nodes))
+            shapes[f"tree {nodes}"] = halves
+        measured = {}
+        for label, (fit_even, fit_odd) in shapes.items():
+            forwards = tokens = 0
+            cost = 0.0
+            for index, answer in enumerate(ranks):
+                tree = fit_odd if index % 2 == 0 else fit_even  # counted on prompts it was not fitted on
+                f, n = tree_steps(answer, tree)
+                forwards, tokens = forwards + f, tokens + n
+                cost += f * tree_ms(tree, head_ms, target_ms)
+            per_forward = tokens / forwards
+            measured[label] = {"tokens_per_forward": per_forward, "x_plain": tokens * plain / cost,
+                               "tree": sorted(fit_even, key=lambda node: (len(node), node))}
+            log(f"{name} {label}: {per_forward:.2f} tokens/forward, {tokens * plain / cost:.2f}x plain")
+        results["workloads"][name] = {"first_guess_in_top": top, "shapes": measured}
+    from verispec.bench.machine import machine_description
+
+    results["machine"] = machine_description()
+    results["command"] = " ".join(sys.argv)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 def cmd_export(args) -> None:
@@ -697,12 +832,17 @@ def main() -> None:
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
-    for command in (collect, train, evaluate, export):
+    trees = commands.add_parser("trees", help="token trees over the head's guesses, priced (issue 31 item 3)")
+    trees.add_argument("--out", required=True)
+    trees.add_argument("--depth", type=int, default=6)
+    trees.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 9, 11, 15])
+    trees.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
+    for command in (collect, train, evaluate, export, trees):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price,
-                "export": cmd_export}
+                "export": cmd_export, "trees": cmd_trees}
     commands[args.command](args)
 
 
