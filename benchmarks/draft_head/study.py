@@ -458,6 +458,7 @@ def unroll(head: DraftHead, row: dict, depth: int, fed: str) -> tuple[torch.Tens
     drafts = torch.zeros(n, depth, dtype=torch.long)
     ranks = torch.full((n, depth), RANK_MISS, dtype=torch.long)
     feature = predicted[queries]  # (N, C)
+    token = torch.zeros(n, dtype=torch.long)  # the token fed at the depth before (none before the first)
     chain_k, chain_v = [], []
     mask = positions[None, :] <= queries[:, None]  # (N, T-1): true keys each chain sees
     for d in range(depth):
