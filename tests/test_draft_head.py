@@ -3,6 +3,8 @@ hidden states, and the output stays the target's: greedy token for token, sample
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -284,6 +286,36 @@ def test_the_command_line_drafts_with_a_head_file_and_says_how_to_build_a_missin
     assert main([*common, "--draft", "head"]) == 2
     error = capsys.readouterr().err
     assert "make head" in error and "Traceback" not in error
+
+
+def test_doctor_times_the_head_it_would_draft_with_beside_the_target(capsys, tiny_dir, target, tmp_path, own_cache,
+                                                                    monkeypatch):
+    """`verispec doctor` times a head as it times a draft model (whole forwards beside the chosen target) and prices
+    the expectation with it; with no --draft it times what serving would draft with (here: the built head)."""
+    import json
+
+    from verispec import doctor
+    from verispec.cli import main
+    from verispec.drafters.draft_head import head_path
+
+    common = ["doctor", "--target", str(tiny_dir), "--json", "--rounds", "1", "--context", "8"]
+    path = head_file(target, tmp_path, seed=12)
+    assert main([*common, "--draft", path]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["expectation"]["draft_format"] == "head" and report["expectation"]["verdict"]
+    assert list(report["costs"]["draft"]) == ["head"]
+    assert set(report["costs"]["draft"]["head"]) == {"1", "2", "4", "8"}
+    assert min(report["costs"]["draft"]["head"].values()) > 0
+    assert report["choices"]["draft"]["model"] == f"draft head {path}"
+    assert main([*common, "--draft", "head"]) == 2  # none built for this target
+    error = capsys.readouterr().err
+    assert "make head" in error and "Traceback" not in error
+    monkeypatch.setattr(doctor, "default_draft", lambda name: "head")  # as for a catalog target with a head built
+    head_path(str(tiny_dir)).parent.mkdir(parents=True)
+    head_path(str(tiny_dir)).write_bytes(Path(path).read_bytes())
+    assert main(common) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["choices"]["draft"]["model"] == f"draft head {head_path(str(tiny_dir))}"
 
 
 def test_the_bench_says_a_head_drafts(target, tmp_path):

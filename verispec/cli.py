@@ -13,7 +13,7 @@ import torch
 from verispec.drafters import DRAFTERS
 from verispec.drafters.pairing import cross_tokenizer_note, drafts_across_tokenizers, pair_drafter
 from verispec.drafters.draft_vocab import DRAFT_VOCAB_HELP, argparse_vocab
-from verispec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotInstalledError, is_installed
+from verispec.models.catalog import CATALOG, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 from verispec.serving.guard import ACCESS_LOG_FORMATS, served_model_name
 
@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(run it first when decoding is slower than expected, and paste it into bug reports)",
     )
     doctor.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    doctor.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, as --target")
+    doctor.add_argument("--draft", default=None, help="draft model, as --target, or a draft head (`head`: the one "
+                        "`make head` built; or a head file); default: the target's head where one is built, else its "
+                        "draft model")
     doctor.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
                         help="interleaved timing rounds, after two warm-up rounds; medians are reported")
     doctor.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT,

@@ -22,6 +22,8 @@ import torch
 
 from verispec.bench.machine import git_commit, machine_description, machine_kind
 from verispec.drafters import draft_candidates, quantize_draft
+from verispec.drafters.draft_head import HEAD_DRAFT, HeadForwarding, head_file, is_head_spec, load_head
+from verispec.drafters.pairing import default_draft
 from verispec.models import w4a8
 from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.models.forward_cost import DEFAULT_CONTEXT, DEFAULT_ROUNDS, DEFAULT_ROWS, WARMUP_ROUNDS, forward_costs
@@ -55,7 +57,7 @@ Progress = Callable[[str, int, int], None]  # (what is being done, steps done, s
 
 def diagnose(
     target: str = DEFAULT_TARGET,
-    draft: str = DEFAULT_DRAFT,
+    draft: str | None = None,
     formats: Iterable[str] | None = None,
     rows: tuple[int, ...] = DEFAULT_ROWS,
     rounds: int = DEFAULT_ROUNDS,
@@ -64,6 +66,9 @@ def diagnose(
 ) -> dict:
     """The machine, the formats that run on it, the choices `auto` makes, measured forward costs and the expectation.
 
+    draft: a draft model, or a draft head ("head": the one `make head` built; or a head file), whose matmuls run in
+    the target's format, so it has no format to choose; default: what `verispec serve` drafts with (the target's
+    head where one is built, else its catalog draft model, else the default target's).
     formats: weight formats to time (default: every candidate); the chosen ones are always timed, since the
     expectation needs them. rows: new tokens per timed forward, besides TARGET_ROWS (which the expectation
     needs). The target formats are timed together, then the drafts together with the chosen target, so the
@@ -71,13 +76,18 @@ def diagnose(
     progress(what, done, total) is called as loads and timing rounds finish.
     """
     dtype = resolve_dtype("auto")
+    draft = draft if draft is not None else default_draft(target) or DEFAULT_DRAFT
     resolve_model(target)  # a model that is missing fails now, not after the timing (the draft's is read below)
+    head = head_file(draft, target) if is_head_spec(draft) else None  # a missing head fails now too
     build_kernel("auto", progress=False)  # where w4a8 can run, build it now: whether it did decides the candidates
     target_choice = resolve_target_format(target)  # auto times whole forwards of the target (once per machine)
-    chosen_draft = load_model(draft, "auto")  # auto times whole forwards of the draft (once per machine)
-    draft_choice = quantize_draft(chosen_draft, "auto", dtype_asked=False)
+    if head is None:
+        chosen_draft = load_model(draft, "auto")  # auto times whole forwards of the draft (once per machine)
+        draft_choice = quantize_draft(chosen_draft, "auto", dtype_asked=False)
+        draft_formats = _to_time(draft_choice, _draft_weight_formats(dtype), formats)
+    else:
+        draft_formats = (HEAD_DRAFT,)
     target_formats = _to_time(target_choice, _weight_formats(auto_candidates()), formats)
-    draft_formats = _to_time(draft_choice, _draft_weight_formats(dtype), formats)
     timed_rows = tuple(sorted(set(rows) | set(TARGET_ROWS)))
     steps = _Steps(progress, len(target_formats) + len(draft_formats) + 2 * (WARMUP_ROUNDS + rounds))
 
@@ -88,11 +98,21 @@ def diagnose(
     del targets  # only the chosen target stays loaded beside the drafts
     gc.collect()
 
-    drafts = _load_drafts(draft, draft_formats, draft_choice, chosen_draft, steps)
+    if head is None:
+        drafts = _load_drafts(draft, draft_formats, draft_choice, chosen_draft, steps)
+        same_vocabulary = reference.tokenizer.get_vocab() == next(iter(drafts.values())).tokenizer.get_vocab()
+        draft_label = draft_choice.label
+        draft_summary = _choice_summary(draft, draft_choice, "whole one-row forwards of the draft in each format")
+    else:
+        steps.describe(f"loading the draft head {head}")
+        drafts = {HEAD_DRAFT: HeadForwarding(load_head(str(head), reference), reference.model.vocab_size)}
+        steps.advance()
+        same_vocabulary, draft_label = True, HEAD_DRAFT
+        draft_summary = {"model": f"draft head {head}", "format": f"the target's ({target_choice.label})",
+                         "why": "a draft head runs its matmuls in the target's weight format", "seconds": {}}
     steps.describe("timing the drafts beside the chosen target")
     beside = forward_costs({"target": reference} | {f"draft {label}": m for label, m in drafts.items()},
                            timed_rows, context, rounds, on_round=steps.on_round)
-    same_vocabulary = reference.tokenizer.get_vocab() == next(iter(drafts.values())).tokenizer.get_vocab()
 
     return {
         "machine": machine_facts(dtype),
@@ -100,7 +120,7 @@ def diagnose(
         "choices": {
             "dtype": _dtype_choice(dtype),
             "target": _choice_summary(target, target_choice, TARGET_PROBE),
-            "draft": _choice_summary(draft, draft_choice, "whole one-row forwards of the draft in each format"),
+            "draft": draft_summary,
             "remembered_file": str(cache_root() / FORMAT_CHOICES_FILE),
             "remembered": remembered_on_this_machine(),
         },
@@ -119,9 +139,9 @@ def diagnose(
         },
         "expectation": {
             "target_format": target_choice.label,
-            "draft_format": draft_choice.label,
+            "draft_format": draft_label,
             "same_vocabulary": same_vocabulary,
-            **expected_speedup(beside["target"], beside[f"draft {draft_choice.label}"][1]),
+            **expected_speedup(beside["target"], beside[f"draft {draft_label}"][1]),
         },
     }
 

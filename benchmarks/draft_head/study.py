@@ -18,7 +18,8 @@ Data recipe (all offline, from what the machine has):
 - the target's own greedy answers (plain decoding, 128 tokens) to prompts that are not measured: HumanEval
   and code-edit problems 16..79, and TRAIN_CHAT below (questions written for this study, none of chat.jsonl's);
   with --more also to HumanEval and code-edit 80.., and to MORE_CHAT_* (120 more questions), and all of these
-  answered once more sampled (temperature 0.7, top-p 0.95);
+  answered once more sampled (temperature 0.7, top-p 0.95); with --self-chat N also to N questions the target
+  wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out);
 - measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
   target greedily; each evaluated position sees the target's true features before it, as a drafter would.
 
@@ -27,7 +28,7 @@ float32 with bfloat16 autocast, on windows padded to the longest of their batch 
 (each step caches its output under --work):
 
     python benchmarks/draft_head/study.py collect --work /tmp/draft-head
-    python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20
+    python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20  # --init: go on from head.pt
     python benchmarks/draft_head/study.py evaluate --work /tmp/draft-head --out benchmarks/results/xeon/draft-head
     python benchmarks/draft_head/study.py export --work /tmp/draft-head   # to where --draft head finds it
 """
@@ -38,6 +39,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -128,6 +130,50 @@ MORE_CODE_TASKS = [
 ]
 
 
+# --self-chat: questions the target writes itself, by topic (none of chat.jsonl's measured prompts), then answers.
+SELF_CHAT_TOPICS = [
+    "returns, refunds and late deliveries from online shops", "account logins, passwords and subscriptions",
+    "choosing a laptop, phone or headphones", "comparing household appliances", "how the internet and browsers work",
+    "git and version control", "databases and SQL", "Python programming", "Docker and deploying software",
+    "caching and the performance of web services", "computer security and privacy", "regular expressions",
+    "the Linux command line", "JavaScript and web pages", "REST APIs and HTTP", "cloud computing and its costs",
+    "data analysis with pandas", "machine learning basics", "personal finance and saving money", "travel planning",
+    "cooking and recipes", "sleep, health and exercise", "home repairs", "gardening", "caring for pets",
+    "job interviews and careers", "writing emails at work", "managing a team", "learning a language",
+    "studying for exams", "science explained simply", "history", "gift ideas", "car maintenance", "parenting",
+    "productivity apps", "smart home devices", "software testing", "algorithms and data structures",
+    "operating systems and computer hardware",
+]
+SELF_CHAT_ASK = ("Write 20 different questions or requests that users often send to an AI assistant about {}. Vary "
+                 "their length and style. Write one per line, with no numbering and nothing else.")
+SELF_CHAT_LIST_TOKENS = 512
+
+
+def self_chat_questions(loaded, work: Path, wanted: int) -> list[str]:
+    """Up to `wanted` questions the target wrote about SELF_CHAT_TOPICS (greedy, one list a topic), kept in
+    work/self-chat-questions.json; the measured chat prompts and duplicates are left out."""
+    from verispec.bench.workloads import load_workload
+
+    path = work / "self-chat-questions.json"
+    if path.exists():
+        return json.loads(path.read_text())[:wanted]
+    asks = [{"messages": [{"role": "user", "content": SELF_CHAT_ASK.format(topic)}]} for topic in SELF_CHAT_TOPICS]
+    lists = answers(loaded, encoded_prompts(loaded, asks), max_tokens=SELF_CHAT_LIST_TOKENS)
+    measured = {item["messages"][-1]["content"].strip().lower() for item in load_workload("chat")}
+    questions, seen = [], set()
+    for text in (loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in lists):
+        for line in text.splitlines():
+            question = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip().strip('"')
+            key = question.lower()
+            if 15 <= len(question) <= 300 and question[-1] in "?." and key not in seen and key not in measured:
+                seen.add(key)
+                questions.append(question)
+    random.Random(0).shuffle(questions)  # topics mixed, so any first `wanted` spans them
+    path.write_text(json.dumps(questions, indent=1) + "\n")
+    log(f"self-chat: {len(questions)} questions from {len(asks)} topics")
+    return questions[:wanted]
+
+
 def more_chat_prompts() -> list[str]:
     """Every topic in two of the forms (by a fixed draw), and every code task asked two ways: 120 questions."""
     draw = random.Random(1)
@@ -201,8 +247,9 @@ class FeatureTap:
         return out
 
 
-def answers(loaded, prompts: list[list[int]], temperature: float = 0.0) -> list[list[int]]:
-    """The target's answers (ANSWER_TOKENS; greedy, or sampled at `temperature`) to the encoded prompts: plain
+def answers(loaded, prompts: list[list[int]], temperature: float = 0.0,
+            max_tokens: int = ANSWER_TOKENS) -> list[list[int]]:
+    """The target's answers (up to max_tokens; greedy, or sampled at `temperature`) to the encoded prompts: plain
     decoding, 16 rows at a time."""
     from verispec.engine import GenerationConfig
     from verispec.sampling import SamplingParams
@@ -211,7 +258,7 @@ def answers(loaded, prompts: list[list[int]], temperature: float = 0.0) -> list[
     scheduler = Scheduler(loaded, None, "none", k=0, limits=SchedulerLimits(16, 1024, 2048))
     sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
     handles = [
-        scheduler.submit(ids, GenerationConfig(max_new_tokens=ANSWER_TOKENS, sampling=sampling, seed=i))
+        scheduler.submit(ids, GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=i))
         for i, ids in enumerate(prompts)
     ]
     while scheduler.run_once():
@@ -280,6 +327,10 @@ def cmd_collect(args) -> None:
         sets["train-chat-more"] = encoded_prompts(loaded, chat)[len(TRAIN_CHAT) :]
         for name in [n for n in sets if n.startswith("train-")]:
             sets[f"{name}-sampled"], temperatures[f"{name}-sampled"] = sets[name], 0.7
+    if args.self_chat:  # questions the target writes, answered greedily
+        questions = self_chat_questions(loaded, work, args.self_chat)
+        sets["train-chat-self"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
+                                                            for q in questions])
     for name, prompts in sets.items():
         path = work / f"{name}.pt"
         if path.exists():
@@ -369,8 +420,15 @@ def cmd_train(args) -> None:
     loaded = load_model(TARGET)  # dense weights: the embedding, norm and head in the compute dtype
     names = sorted(path.stem for path in work.glob("train-*.pt"))  # every set collected (--text-seed, --more)
     rows = load_rows(work, names)
-    vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
-    head = build_head(loaded, vocab, args.intermediate)
+    if args.init:  # go on training a head (its vocabulary and width kept), with whatever data is here now
+        saved = torch.load(work / "head.pt")
+        vocab, args.intermediate = saved["vocab"], saved["intermediate"]
+        head = build_head(loaded, vocab, args.intermediate)
+        head.load_state_dict(saved["state"], strict=False)
+        log(f"going on from head.pt ({saved['minutes']} minutes, {saved['positions']} positions)")
+    else:
+        vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
+        head = build_head(loaded, vocab, args.intermediate)
     index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     pairs = training_pairs(rows)
@@ -423,8 +481,13 @@ def cmd_train(args) -> None:
                     f"({seen / (time.perf_counter() - started):.0f} positions/s)")
         epoch += 1
     state = {k: v for k, v in head.state_dict().items()}
+    before = torch.load(work / "head.pt") if args.init else {}
+    history_of_runs = before.get("runs", [{k: before[k] for k in ("minutes", "positions", "train_positions")}]
+                                 if before else [])
+    run = {"minutes": args.minutes, "positions": seen, "train_positions": tokens}
     torch.save({"state": state, "vocab": vocab, "intermediate": args.intermediate, "steps": step, "positions": seen,
-                "epochs": epoch, "minutes": args.minutes, "train_positions": tokens, "label_coverage": covered},
+                "epochs": epoch, "minutes": args.minutes, "train_positions": tokens, "label_coverage": covered,
+                "runs": history_of_runs + [run]},
                work / "head.pt")
     log(f"saved after {step} steps, {seen} positions, {epoch} epochs")
 
@@ -816,6 +879,8 @@ def main() -> None:
     collect.add_argument("--early-layers", type=int, nargs="*", default=[4, 8, 14, 21])
     collect.add_argument("--more", action="store_true",
                          help="also HumanEval and code-edit 80.., more chat, and all training prompts answered sampled")
+    collect.add_argument("--self-chat", type=int, default=0, metavar="N",
+                         help="also N questions the target writes itself (SELF_CHAT_TOPICS), answered greedily")
     train = commands.add_parser("train")
     train.add_argument("--minutes", type=float, default=20)
     train.add_argument("--vocab", type=int, default=32768)
@@ -823,6 +888,7 @@ def main() -> None:
     train.add_argument("--batch", type=int, default=8)
     train.add_argument("--lr", type=float, default=5e-4)
     train.add_argument("--ce-weight", type=float, default=0.1)
+    train.add_argument("--init", action="store_true", help="go on training the head in --work (head.pt)")
     evaluate = commands.add_parser("evaluate")
     evaluate.add_argument("--out", required=True)
     evaluate.add_argument("--depth", type=int, default=6)

@@ -259,16 +259,23 @@ def output_rows(target: "LoadedModel", token_ids: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"no lm_head.weight in {target.directory}: the draft head cannot use this target's output head")
 
 
+def head_file(spec: str, target_name: str) -> Path:
+    """The file a head spec names ("head": the one `make head` built for the target; or a head file's path), or a
+    FileNotFoundError that says how to build it."""
+    path = head_path(target_name) if spec == HEAD_DRAFT else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no draft head for {Path(target_name).name} at {path}: build it with `make head` "
+            "(trains one on this machine) or pass --draft with a head file"
+        )
+    return path
+
+
 def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
     """The head `spec` names ("head": the target's, built by `make head`; or a head file) over the loaded target."""
     from safetensors import safe_open
 
-    path = head_path(target.name) if spec == HEAD_DRAFT else Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no draft head for {Path(target.name).name} at {path}: build it with `make head` "
-            "(trains one on this machine) or pass --draft with a head file"
-        )
+    path = head_file(spec, target.name)
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         if metadata.get("format") != HEAD_FORMAT:
@@ -281,3 +288,33 @@ def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
         raise ValueError(f"draft head {path} was trained for {metadata['target']}, not {target.name}")
     rows = output_rows(target, tensors["vocab"].long())
     return HeadLayer(tensors, int(metadata["heads"]), float(metadata["rope_theta"]), target.model, rows)
+
+
+class HeadForwarding:
+    """A head as forward_costs times a model (verispec.models.forward_cost.Forwarding), for `verispec doctor`: a
+    forward feeds n new positions of each row (random target features, the given next tokens) through the layer
+    and scores them, as a drafting step's feed and draft positions do."""
+
+    def __init__(self, head: HeadLayer, vocab_size: int) -> None:
+        self.head, self.vocab_size = head, vocab_size  # the target's: input ids are target ids
+
+    def new_cache(self, batch_size: int, capacity: int) -> "_HeadCache":
+        return _HeadCache(*self.head.new_cache(batch_size, capacity))
+
+    def forward(self, input_ids: torch.Tensor, cache: "_HeadCache", last_only: bool = False) -> torch.Tensor:
+        batch, num_new = input_ids.shape
+        features = torch.randn(batch, num_new, self.head.width, dtype=self.head.dtype)
+        positions = (cache.length + torch.arange(num_new))[None].expand(batch, -1)  # (B, T)
+        lengths = torch.full((batch,), cache.length, dtype=torch.long)
+        predicted = self.head.step(features, input_ids, positions, cache.keys, cache.values, lengths, False)
+        return self.head.logits(predicted[:, -1:] if last_only else predicted)  # (B, T or 1, V')
+
+
+class _HeadCache:
+    """A head's keys and values with the committed length, as forward_costs commits a prompt."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values, self.length = keys, values, 0
+
+    def commit(self, count: int) -> None:
+        self.length += count
