@@ -39,9 +39,10 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
 # The draft head `--draft head` loads, for the default target (benchmarks/draft_head/study.py: the target's own
-# answers to 448 prompts never measured, greedy and sampled, and 300k tokens of standard-library text, teacher-forced
-# through it, then HEAD_MINUTES of training on this CPU: the data of benchmarks/results/xeon/draft-head run 3). About
-# 100 minutes on 2 cores; each step's output is kept in HEAD_WORK (about 5 GB), so a rerun picks up where it stopped.
+# answers to 448 prompts never measured, greedy and sampled, to about 600 questions it writes itself, and 300k tokens
+# of standard-library text, teacher-forced through it; then HEAD_MINUTES of training on this CPU and 20 more going on
+# from it: the recipe of benchmarks/results/xeon/draft-head run 4). About 2 h 30 min on 2 cores; each step's output
+# is kept in HEAD_WORK (about 6 GB), so a rerun picks up where it stopped.
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_MINUTES ?= 30
 head: models
@@ -49,6 +50,8 @@ head: models
 	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
 		--early-layers --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 --early-layers --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --init --minutes 20 --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS)
 
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
