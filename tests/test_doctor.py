@@ -117,9 +117,13 @@ def test_remembered_choices_of_this_machine_only(tmp_path, monkeypatch):
                                                        "seconds": {"w4a8": 0.008, "none": 0.06}},
         "draft auto 4x896x9728 among int4,w4a8" + here: {"best": "int4", "seconds": {"int4": 0.001}},
         "draft auto 4x896x9728 among int4,w4a8 | Other CPU (1/2) | 64 cores | torch 0.1": {"best": "w4a8"},
+        "step costs | target t w4a8 | draft none" + here: {"verify": {"1": 0.04, "8": 0.06}, "draft": None},
     }))
     kept = {row["kind"]: row for row in remembered_on_this_machine()}
-    assert set(kept) == {"target auto bfloat16 among w4a8,none", "draft auto 4x896x9728 among int4,w4a8"}
+    assert set(kept) == {"target auto bfloat16 among w4a8,none", "draft auto 4x896x9728 among int4,w4a8",
+                         "step costs | target t w4a8 | draft none"}
+    steps = kept["step costs | target t w4a8 | draft none"]  # timings, not a choice among formats
+    assert steps["choice"] == "timed, no choice" and steps["seconds"] == {"verify 1": 0.04, "verify 8": 0.06}
     assert kept["target auto bfloat16 among w4a8,none"]["choice"] == "w4a8-kernel"
     assert kept["draft auto 4x896x9728 among int4,w4a8"] == {
         "kind": "draft auto 4x896x9728 among int4,w4a8", "choice": "int4", "seconds": {"int4": 0.001},
@@ -128,6 +132,7 @@ def test_remembered_choices_of_this_machine_only(tmp_path, monkeypatch):
     remembered_choice("draft auto 4x896x9728 among int4,w4a8", lambda: pytest.fail("it was remembered"))
     assert {row["kind"]: row["in_force"] for row in remembered_on_this_machine()} == {
         "target auto bfloat16 among w4a8,none": False, "draft auto 4x896x9728 among int4,w4a8": True,
+        "step costs | target t w4a8 | draft none": False,
     }
 
 

@@ -176,10 +176,16 @@ def remembered_on_this_machine() -> list[dict]:
     and whether this process loaded by it (in force)."""
     in_force = consulted_kinds()
     return [
-        {"kind": kind, "choice": _remembered_label(kind, kept), "seconds": kept.get("seconds") or {},
+        {"kind": kind, "choice": _remembered_label(kind, kept), "seconds": kept.get("seconds") or _step_costs(kept),
          "in_force": kind in in_force}
         for kind, kept in sorted(remembered_choices().items())
     ]
+
+
+def _step_costs(kept: dict) -> dict[str, float]:
+    """A remembered step_costs entry's timings (verify passes by tokens, a draft position), else nothing."""
+    seconds = {f"verify {tokens}": s for tokens, s in (kept.get("verify") or {}).items()}
+    return seconds | ({"draft": kept["draft"]} if kept.get("draft") else {})
 
 
 def timing_warnings(costs: Mapping[str, Mapping[int, float]]) -> list[str]:
@@ -353,6 +359,8 @@ def milliseconds(seconds: Mapping[str, float]) -> str:
 def _remembered_label(kind: str, kept: dict) -> str:
     """The format a remembered choice names: drafts keep "best", targets "format" and "activations", w4a8's
     long passes "activations" alone."""
+    if "verify" in kept:  # step_costs: a step's parts timed before the first request, nothing chosen
+        return "timed, no choice"
     if "best" in kept:
         return kept["best"] or "nothing ran"
     if "format" in kept:
