@@ -404,6 +404,14 @@ def build_head(loaded, vocab: torch.Tensor, intermediate: int) -> DraftHead:
     return DraftHead(embed, model.final_norm.float(), head, vocab, config.num_heads, intermediate, config.rope_theta)
 
 
+def trained_head(work: Path, loaded, strict: bool = False) -> tuple[DraftHead, dict]:
+    """The head `train` saved in work/head.pt, over the dense target `loaded`, and what was saved with it."""
+    saved = torch.load(work / "head.pt")
+    head = build_head(loaded, saved["vocab"], saved["intermediate"])
+    head.load_state_dict(saved["state"], strict=strict)
+    return head, saved
+
+
 def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for row in rows:
@@ -421,14 +429,14 @@ def cmd_train(args) -> None:
     names = sorted(path.stem for path in work.glob("train-*.pt"))  # every set collected (--text-seed, --more)
     rows = load_rows(work, names)
     if args.init:  # go on training a head (its vocabulary and width kept), with whatever data is here now
-        saved = torch.load(work / "head.pt")
+        head, saved = trained_head(work, loaded)
         vocab, args.intermediate = saved["vocab"], saved["intermediate"]
-        head = build_head(loaded, vocab, args.intermediate)
-        head.load_state_dict(saved["state"], strict=False)
         log(f"going on from head.pt ({saved['minutes']} minutes, {saved['positions']} positions)")
+        earlier_runs = saved.get("runs", [{k: saved[k] for k in ("minutes", "positions", "train_positions")}])
     else:
         vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
         head = build_head(loaded, vocab, args.intermediate)
+        earlier_runs = []
     index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     pairs = training_pairs(rows)
@@ -481,13 +489,10 @@ def cmd_train(args) -> None:
                     f"({seen / (time.perf_counter() - started):.0f} positions/s)")
         epoch += 1
     state = {k: v for k, v in head.state_dict().items()}
-    before = torch.load(work / "head.pt") if args.init else {}
-    history_of_runs = before.get("runs", [{k: before[k] for k in ("minutes", "positions", "train_positions")}]
-                                 if before else [])
     run = {"minutes": args.minutes, "positions": seen, "train_positions": tokens}
     torch.save({"state": state, "vocab": vocab, "intermediate": args.intermediate, "steps": step, "positions": seen,
                 "epochs": epoch, "minutes": args.minutes, "train_positions": tokens, "label_coverage": covered,
-                "runs": history_of_runs + [run]},
+                "runs": earlier_runs + [run]},
                work / "head.pt")
     log(f"saved after {step} steps, {seen} positions, {epoch} epochs")
 
@@ -715,10 +720,8 @@ def cmd_evaluate(args) -> None:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    saved = torch.load(work / "head.pt")
     dense = load_model(TARGET)
-    head = build_head(dense, saved["vocab"], saved["intermediate"])
-    head.load_state_dict(saved["state"], strict=False)
+    head, saved = trained_head(work, dense)
     head.eval()
     results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {}}
     results["training"]["head_tokens"] = len(saved["vocab"])
@@ -790,17 +793,12 @@ def cmd_price(args) -> None:
 
 
 def forward_ms(path: str):
-    """The target's forward cost (ms) by new tokens, from tree-potential's run.json, interpolated."""
+    """The target's forward cost (ms) by new tokens, from tree-potential's run.json, interpolated as the controller
+    interpolates measured costs."""
+    from verispec.policy import interpolate
+
     forward = {int(k): v for k, v in json.loads(Path(path).read_text())["forward_ms"]["target"].items()}
-
-    def target_ms(tokens: int) -> float:
-        if tokens in forward:
-            return forward[tokens]
-        low = max(t for t in forward if t < tokens)
-        high = min(t for t in forward if t > tokens)
-        return forward[low] + (forward[high] - forward[low]) * (tokens - low) / (high - low)
-
-    return target_ms
+    return lambda tokens: interpolate(forward, tokens)
 
 
 def cmd_trees(args) -> None:
@@ -812,10 +810,8 @@ def cmd_trees(args) -> None:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    saved = torch.load(work / "head.pt")
     dense = load_model(TARGET)
-    head = build_head(dense, saved["vocab"], saved["intermediate"])
-    head.load_state_dict(saved["state"], strict=False)
+    head, _ = trained_head(work, dense)
     head.eval()
     served = load_model(TARGET, quantize="auto")
     head_ms = {rows: head_cost(head, served.model, rows=rows)["head_ms"] for rows in (1, 2, 4, 8)}
@@ -859,10 +855,7 @@ def cmd_trees(args) -> None:
 def cmd_export(args) -> None:
     from verispec.models.loading import load_model
 
-    saved = torch.load(Path(args.work) / "head.pt")
-    loaded = load_model(TARGET)
-    head = build_head(loaded, saved["state"]["vocab"], saved["intermediate"])
-    head.load_state_dict(saved["state"])
+    head, saved = trained_head(Path(args.work), load_model(TARGET), strict=True)
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     out = Path(args.out) if args.out else head_path(TARGET)
     save_head(head, out, TARGET, about)
