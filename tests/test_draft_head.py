@@ -294,8 +294,8 @@ def test_doctor_times_the_head_it_would_draft_with_beside_the_target(capsys, tin
     the expectation with it; with no --draft it times what serving would draft with (here: the built head)."""
     import json
 
-    from verispec import doctor
     from verispec.cli import main
+    from verispec.drafters import pairing
     from verispec.drafters.draft_head import head_path
 
     common = ["doctor", "--target", str(tiny_dir), "--json", "--rounds", "1", "--context", "8"]
@@ -310,7 +310,7 @@ def test_doctor_times_the_head_it_would_draft_with_beside_the_target(capsys, tin
     assert main([*common, "--draft", "head"]) == 2  # none built for this target
     error = capsys.readouterr().err
     assert "make head" in error and "Traceback" not in error
-    monkeypatch.setattr(doctor, "default_draft", lambda name: "head")  # as for a catalog target with a head built
+    monkeypatch.setattr(pairing, "default_draft", lambda name: "head")  # as for a catalog target with a head built
     head_path(str(tiny_dir)).parent.mkdir(parents=True)
     head_path(str(tiny_dir)).write_bytes(Path(path).read_bytes())
     assert main(common) == 0

@@ -23,9 +23,9 @@ import torch
 from verispec.bench.machine import git_commit, machine_description, machine_kind
 from verispec.drafters import draft_candidates, quantize_draft
 from verispec.drafters.draft_head import HEAD_DRAFT, HeadForwarding, head_file, is_head_spec, load_head
-from verispec.drafters.pairing import default_draft
+from verispec.drafters.pairing import draft_or_default
 from verispec.models import w4a8
-from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.catalog import DEFAULT_TARGET
 from verispec.models.forward_cost import DEFAULT_CONTEXT, DEFAULT_ROUNDS, DEFAULT_ROWS, WARMUP_ROUNDS, forward_costs
 from verispec.models.linear import (
     FORMATS, W4A8_LONG_PASS_ROWS, W8A8_INEXACT, FormatChoice, auto_candidates, onednn_int8_runs,
@@ -76,7 +76,7 @@ def diagnose(
     progress(what, done, total) is called as loads and timing rounds finish.
     """
     dtype = resolve_dtype("auto")
-    draft = draft if draft is not None else default_draft(target) or DEFAULT_DRAFT
+    draft = draft_or_default(target, draft)
     resolve_model(target)  # a model that is missing fails now, not after the timing (the draft's is read below)
     head = head_file(draft, target) if is_head_spec(draft) else None  # a missing head fails now too
     build_kernel("auto", progress=False)  # where w4a8 can run, build it now: whether it did decides the candidates

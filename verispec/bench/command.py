@@ -209,9 +209,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload
     from verispec.bench.machine import git_commit, machine_description, machine_kind
-    from verispec.drafters.pairing import default_draft
+    from verispec.drafters.pairing import draft_or_default
     from verispec.engine import GenerationConfig
-    from verispec.models.catalog import DEFAULT_DRAFT
     from verispec.models.loading import load_model
     from verispec.sampling import SamplingParams
 
@@ -221,7 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.draft = args.draft or default_draft(args.target) or DEFAULT_DRAFT  # the head where `make head` built one
+    args.draft = draft_or_default(args.target, args.draft)  # the head where `make head` built one
     console = Console(stderr=True)
     prompts = load_workload(args.workload, args.limit)
     if args.check:

@@ -38,6 +38,12 @@ def default_draft(target: str) -> str | None:
     return HEAD_DRAFT if head_path(str(target)).is_file() else DEFAULT_DRAFT
 
 
+def draft_or_default(target: str, draft: str | None) -> str:
+    """The draft a command that always drafts with a model uses (bench, doctor): `draft` where named, else the
+    target's default_draft, else the catalog's draft model (a target outside the catalog has none of its own)."""
+    return draft or default_draft(target) or DEFAULT_DRAFT
+
+
 def pair_drafter(target: str, draft: str | None, drafter: str | None) -> Pairing:
     """What runs with `target`, given `draft` (None: no --draft given) and `drafter` (None: none named).
 
