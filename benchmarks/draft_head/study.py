@@ -273,15 +273,9 @@ def answers(loaded, prompts: list[list[int]], temperature: float = 0.0,
 
 
 def encoded_prompts(loaded, items: list[dict]) -> list[list[int]]:
-    texts = []
-    for item in items:
-        if "messages" in item:
-            texts.append(
-                loaded.tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
-            )
-        else:
-            texts.append(item["prompt"])
-    return [loaded.encode(text) for text in texts]
+    from verispec.bench.workloads import render_prompt
+
+    return [loaded.encode(render_prompt(loaded.tokenizer, item)) for item in items]
 
 
 def corpus_windows(tokenizer, tokens_wanted: int, seed: int = 0) -> list[list[int]]:

@@ -21,7 +21,7 @@ import torch
 
 from verispec import GenerationConfig, SpeculativeEngine, load_model
 from verispec.bench.machine import git_commit, machine_line
-from verispec.bench.workloads import load_workload
+from verispec.bench.workloads import load_workload, render_prompt
 from verispec.drafters import make_drafter
 from verispec.drafters.draft_head import HeadForwarding, HeadLayer
 from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -42,14 +42,7 @@ def log(message: str) -> None:
 
 
 def prompts(target, workload: str, limit: int) -> list[str]:
-    texts = []
-    for item in load_workload(workload)[:limit]:
-        if "messages" in item:
-            texts.append(target.tokenizer.apply_chat_template(item["messages"], tokenize=False,
-                                                              add_generation_prompt=True))
-        else:
-            texts.append(item["prompt"])
-    return texts
+    return [render_prompt(target.tokenizer, item) for item in load_workload(workload)[:limit]]
 
 
 def acceptance(steps: list[tuple[int, int]], k: int) -> list[float]:

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from verispec.bench.machine import git_commit, machine_description, machine_line
-from verispec.bench.workloads import load_workload
+from verispec.bench.workloads import load_workload, render_prompt
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.forward_cost import forward_costs
 from verispec.models.loading import load_model
@@ -86,12 +86,7 @@ def main() -> None:
     for workload in args.workloads.split(","):
         ranks_by_prompt = []
         for prompt in tqdm(load_workload(workload, args.limit), desc=workload):
-            text = prompt.get("prompt")
-            if text is None:
-                text = target.tokenizer.apply_chat_template(
-                    prompt["messages"], tokenize=False, add_generation_prompt=True
-                )
-            prompt_ids = target.encode(text)
+            prompt_ids = target.encode(render_prompt(target.tokenizer, prompt))
             output = plain.generate(prompt_ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids
             ids = torch.tensor([prompt_ids + output])  # (1, T)
             cache = draft.model.new_cache(1, ids.shape[1])

@@ -207,7 +207,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.bench.checks import COMPLETION_STOPS, pass_at_1, require_checkable, schema_valid
     from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
-    from verispec.bench.workloads import load_workload
+    from verispec.bench.workloads import load_workload, render_prompt
     from verispec.bench.machine import git_commit, machine_description, machine_kind
     from verispec.drafters.pairing import draft_or_default
     from verispec.engine import GenerationConfig
@@ -269,9 +269,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return next(m.name for m in modes if m.constrained == mode.constrained)
 
     def render(prompt: dict) -> str:
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        return target.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+        return render_prompt(target.tokenizer, prompt)
 
     # The first schema also builds the tokenizer's grammar compiler (seconds): not part of any prompt's time.
     schema = next((p["json_schema"] for p in prompts if "json_schema" in p), None)

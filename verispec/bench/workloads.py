@@ -121,3 +121,10 @@ def load_workload(name_or_file: str, limit: int | None = None) -> list[dict]:
             )
         prompts = _parse_jsonl(path.read_text(encoding="utf-8"), str(path))
     return prompts[:limit] if limit else prompts
+
+
+def render_prompt(tokenizer, item: dict) -> str:
+    """A workload item as the text the target reads: its "prompt", or its "messages" through the chat template."""
+    if "prompt" in item:
+        return item["prompt"]
+    return tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
