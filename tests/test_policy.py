@@ -367,3 +367,22 @@ def test_a_draft_forward_over_more_rows_than_measured_costs_as_the_targets_grows
     averages.draft_cost[15] = 0.004  # measured at 15 rows: that is what counts there
     assert controller._draft_seconds(averages, 15) == 0.004
     assert controller.choose_k(15, "draft-model") > 0
+
+
+def test_one_slow_forward_does_not_price_plain_steps_out():
+    """A one-off slow forward (a neighbour on the machine) moves the plain cost by a clipped share only, so drafting
+    that does not pay stays off: chat at 16 clients on an Intel Xeon, where one 200 ms forward among 119 ms ones made
+    the server draft at k = 2, 17% slower than plain, and never measure a plain step at 16 rows again."""
+    controller = AdaptiveController()
+    for tokens, seconds in {16: 0.119, 32: 0.165, 48: 0.212}.items():
+        for _ in range(5):
+            controller.observe_forward(tokens, seconds)
+    averages = controller._source("draft-head")
+    averages.alpha, averages.reached, averages.draft_cost = [0.45] * 8, [10] * 8, {16: 0.018}
+    assert controller.choose_k(16, "draft-head") == 0
+    controller.observe_forward(16, 0.200)
+    assert controller.verify_cost[16] <= 0.119 * (1 + controller.settings.smoothing * 0.25) + 1e-9
+    assert controller.choose_k(16, "draft-head") == 0
+    for _ in range(30):  # a forward that really got slower is followed, if step by step
+        controller.observe_forward(16, 0.200)
+    assert controller.verify_cost[16] == pytest.approx(0.200, rel=0.01)

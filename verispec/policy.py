@@ -16,6 +16,11 @@ measures them online, on this machine, during the request:
   15-row draft forward (80 ms on an Intel Xeon) like a one-row one (15 ms), and a 15-client server
   then drafted at a loss.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
+  One forward is one observation however many rows it verified, and a forward slower than
+  SLOW_FORWARD_CLIP times the average counts as that: a batch's rows each observing their shared
+  forward gave the newest forward 93% of the weight at 16 rows, and one slow forward (200 ms where
+  they took 119, chat at 16 clients, Intel Xeon) then priced plain steps so high that the server
+  drafted at k = 2, 17% slower than plain, and never measured a plain step at 16 rows again.
 
 With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
 per sequence; a batch of b sequences spends draft_cost(b) * k + verify_cost(b * (k + 1)) seconds on
@@ -79,6 +84,7 @@ class ControllerSettings:
 # probe makes a draft model catch up on every token since the last one (on Zen 3, probes every 8 steps cost a
 # request 10% with nothing to find).
 MAX_PROBE_BACKOFF = 16
+SLOW_FORWARD_CLIP = 1.25  # a forward measured slower than this times its average counts as this (see verify_cost)
 ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
 MIN_REACHED = 3  # a draft position reached fewer times than this borrows the acceptance of the one before
 
@@ -316,14 +322,15 @@ class AdaptiveController:
     ) -> None:
         """Record one sequence's step: how many drafts from `source` were accepted, what each phase cost.
 
-        For a batch, call once per sequence with the whole step's draft_seconds and verify pass
-        (verify_tokens = tokens in the batched forward); the costs are averaged per batch size.
-        verify_seconds None: the forward also carried other work (a prompt chunk), so it tells
-        nothing of what verifying costs and only the acceptance is recorded.
+        For a batch, call once per sequence with the whole step's draft_seconds (each row's share of the
+        draft cost then weighs 1 / batch_size of a step) and verify_seconds None, and observe_forward once
+        for the step's forward. verify_seconds (a batch of one): what its forward over verify_tokens took;
+        None also where the forward carried other work (a prompt chunk), which tells nothing of what
+        verifying costs.
         """
         w = self.settings.smoothing
         if verify_seconds is not None:
-            self.verify_cost[verify_tokens] = moving_average(self.verify_cost.get(verify_tokens), verify_seconds, w)
+            self.observe_forward(verify_tokens, verify_seconds)
         if drafted == 0:
             return
         averages = self._source(source)
@@ -345,11 +352,20 @@ class AdaptiveController:
             # only the latest tokens (a draft model's window), which a chat answer's first guesses need more than.
             averages.alpha[0] = max(averages.alpha[0], self.settings.prior_acceptance)
         per_position = draft_seconds / drafted
-        averages.draft_cost[batch_size] = moving_average(averages.draft_cost.get(batch_size), per_position, w)
+        averages.draft_cost[batch_size] = moving_average(
+            averages.draft_cost.get(batch_size), per_position, w / max(batch_size, 1)
+        )
         self.recent_sources[source] += 1
         if sum(self.recent_sources.values()) > 32:  # keep "recent" recent
             for name in list(self.recent_sources):
                 self.recent_sources[name] //= 2
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        """Record one verify forward over `tokens` tokens in all (every row's): it took `seconds`."""
+        average = self.verify_cost.get(tokens)
+        if average is not None:
+            seconds = min(seconds, SLOW_FORWARD_CLIP * average)
+        self.verify_cost[tokens] = moving_average(average, seconds, self.settings.smoothing)
 
     def observe_step(self, source: str | None, batch_size: int, seconds: float, priced_seconds: float) -> None:
         """Record a whole step of `batch_size` sequences in which only `source` drafted (None: a plain step):

@@ -34,6 +34,7 @@ class BatchedDraftHead(BatchedDraftModel):
         self.lengths = torch.zeros(max_batch_size, dtype=torch.long)  # committed entries (the target's features)
         self.first = [0] * max_batch_size  # position of entry 0
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(max_batch_size)]  # features (T_i, C) not fed
+        self.pending_count = [0] * max_batch_size  # positions in each row's pending features
         self.written = torch.zeros(max_batch_size, dtype=torch.long)  # entries in the cache now, drafts' included
         self._inputs: list[torch.Tensor | None] = [None] * max_batch_size  # features of each row's next feed
         self._first_feed = True  # the next _feed is a proposal's first: the target's hidden states, not predictions
@@ -52,6 +53,7 @@ class BatchedDraftHead(BatchedDraftModel):
         self.written[row] = 0
         self.first[row] = first
         self.pending[row] = []
+        self.pending_count[row] = 0
         self._inputs[row] = None
 
     def observe(self, row: int, position: int, features: torch.Tensor) -> None:
@@ -59,13 +61,11 @@ class BatchedDraftHead(BatchedDraftModel):
         Not where the row's own ones end (positions it never saw): the row starts again from `position`."""
         if not len(features):
             return
-        expected = self.first[row] + int(self.lengths[row]) + self._pending_count(row)
+        expected = self.first[row] + int(self.lengths[row]) + self.pending_count[row]
         if position != expected or (self.lengths[row] == 0 and not self.pending[row]):
             self._clear(row, position)
         self.pending[row].append(features)
-
-    def _pending_count(self, row: int) -> int:
-        return sum(len(f) for f in self.pending[row])
+        self.pending_count[row] += len(features)
 
     def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
         """Start `destination` with what row `source` holds of the same prompt (its first prompt_length - 1 tokens)."""
@@ -78,29 +78,33 @@ class BatchedDraftHead(BatchedDraftModel):
         pending = torch.cat(self.pending[source]) if self.pending[source] else None
         if pending is not None and end > kept:
             self.pending[destination] = [pending[: end - kept]]
+            self.pending_count[destination] = len(self.pending[destination][0])
 
     def prefill(self, row: int, token_ids: list[int]) -> None:
         raise NotImplementedError("a draft head is fed the target's hidden states (observe), not tokens")
 
     def restart_window(self, row: int, tokens: list[int], window: int) -> None:
         """Keep only the last `window` positions not fed yet: the next proposal feeds those, not the whole backlog."""
-        if self._pending_count(row) <= window:
+        if self.pending_count[row] <= window:
             return
         pending = torch.cat(self.pending[row])[-window:]
         self._clear(row, len(tokens) - 1 - len(pending))
         self.pending[row] = [pending]
+        self.pending_count[row] = len(pending)
 
     def behind(self, row: int, tokens: list[int]) -> int:
         """Positions the row has been handed and not fed to its head yet."""
-        return self._pending_count(row)
+        return self.pending_count[row]
 
     def move(self, source: int, destination: int) -> None:
-        self.keys[destination] = self.keys[source]
-        self.values[destination] = self.values[source]
+        entries = int(self.written[source])  # only what the row holds: its rows span the whole context's capacity
+        self.keys[destination, :, :entries] = self.keys[source, :, :entries]
+        self.values[destination, :, :entries] = self.values[source, :, :entries]
         self.lengths[destination] = self.lengths[source]
         self.written[destination] = self.written[source]
         self.first[destination] = self.first[source]
         self.pending[destination] = self.pending[source]
+        self.pending_count[destination] = self.pending_count[source]
         self._inputs[destination] = None
 
     # -- BatchedDraftModel.propose's parts --------------------------------------------------------
@@ -111,7 +115,7 @@ class BatchedDraftHead(BatchedDraftModel):
         self.written[row] = self.lengths[row]
         self._first_feed = True
         start = self.first[row] + int(self.lengths[row])
-        end = start + self._pending_count(row)
+        end = start + self.pending_count[row]
         if end == start or end != len(tokens) - 1:
             return None
         self._inputs[row] = torch.cat(self.pending[row]) if len(self.pending[row]) > 1 else self.pending[row][0]
@@ -154,6 +158,7 @@ class BatchedDraftHead(BatchedDraftModel):
                 if feeding_targets:
                     self.lengths[b] += len(row)
                     self.pending[b] = []
+                    self.pending_count[b] = 0
                 self.written[b] += len(row)
                 self._inputs[b] = last[b : b + 1]
         return self.model.logits(last)  # (n, V')

@@ -827,6 +827,8 @@ class Scheduler:
         self.cache.rows(0, n).commit(torch.tensor(accepted) + 1)
         finished_at = time.perf_counter()
         forward_seconds = finished_at - verifying
+        if not chunk:  # a forward that carried a chunk says nothing of what verifying costs
+            self.controller.observe_forward(verify_tokens, forward_seconds)
         if not chunk and verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
             self._check_target_format(forward_seconds)
         if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
@@ -858,9 +860,7 @@ class Scheduler:
             spent = draft_seconds.get(source, 0.0)
             if source == self.batched_source and drafted:  # the batch drafted `deepest` positions, this row fewer
                 spent *= drafted / deepest
-            self.controller.observe(  # a forward that carried a chunk says nothing of what verifying costs
-                source, drafted, num_accepted, spent, verify_tokens, None if chunk else forward_seconds, batch_size=n,
-            )
+            self.controller.observe(source, drafted, num_accepted, spent, verify_tokens, None, batch_size=n)
             if hidden is not None:  # the positions it committed: its pending token's and the accepted drafts'
                 self.draft.observe(b, len(sequence.tokens) - 1, hidden[b][: num_accepted + 1])
             sequence.tokens.extend(tokens)
