@@ -630,3 +630,36 @@ def test_a_batched_step_is_one_forward_observation(target, monkeypatch):
     assert len(scheduler.active) == 4
     scheduler._step()
     assert forwards == [4]
+
+
+def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target, monkeypatch):
+    """A composite's rows go to its batched drafter without asking their lookups where the controller would not have
+    the lookups draft even for every row (indexing each row's text for nothing cost 1.2% of a 16-client chat server's
+    steps); where it would, each row's lookup is asked as before."""
+    from verispec.drafters.suffix_index import SuffixIndexDrafter
+
+    scheduler = Scheduler(target, target.model, "composite", k="auto", limits=SchedulerLimits(3, 8, 256))
+    for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
+        scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
+    scheduler._admit()
+    asked = []
+    can_propose = SuffixIndexDrafter.can_propose
+
+    def counted(self, tokens: list[int]) -> bool:
+        asked.append(1)
+        return can_propose(self, tokens)
+
+    monkeypatch.setattr(SuffixIndexDrafter, "can_propose", counted)
+    controller = scheduler.controller
+    lookup = controller._source("suffix-index")
+    lookup.draft_cost = {3: 1e-5}
+    controller.verify_cost = {3: 0.1, 6: 0.6, 9: 1.2, 27: 6.0}  # a token more a row costs 6x: no draft can pay
+    assert controller.planned_k(3, "suffix-index") == 0
+    scheduler._step()
+    assert asked == []
+    assert all(not s.stats.drafted_tokens for s in scheduler.active)
+    controller.verify_cost = {3: 0.1, 6: 0.101, 9: 0.102, 27: 0.11}  # about free: the lookup's 70% pays
+    lookup.alpha = [0.9] * 8
+    assert controller.planned_k(3, "suffix-index") > 0
+    scheduler._step()
+    assert len(asked) == 3

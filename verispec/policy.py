@@ -204,35 +204,13 @@ class AdaptiveController:
         source seen most in recent steps. drafting_rows: how many of the sequences it drafts for (None: all).
         """
         after_probe, self.probing = self.probing, False
-        if source is None:
-            source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
-        if batch_size > 1 and batch_size not in self.verify_cost:
-            # A batch size's plain step is measured before anything is drafted at it: it costs no drafts, and
-            # without it the cost of k extra tokens per sequence would be guessed from other sizes only.
-            k = 0
-        elif source is None:
-            k = self.settings.first_k
-        else:
-            averages = self._source(source)
-            rates = [
-                (self.expected_rate(k, averages, batch_size, drafting_rows), k) for k in range(self.settings.k_max + 1)
-            ]
-            if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
-                k = self.settings.first_k
-            else:
-                best_rate, k = max(rates)
-                # Within noise of plain decoding a measured gain this small is no gain: it takes min_gain to start
-                # drafting, and half of it to go on (else an acceptance estimate that a few unlucky steps pulled
-                # down stops a drafter that pays on average).
-                margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
-                if k > 0 and best_rate < (1 + margin) * rates[0][0]:
-                    k = 0
+        k, averages = self._best_k(batch_size, source, drafting_rows)
+        if averages is not None:
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 if after_probe:  # the probe found drafting still does not pay: wait longer for the next
                     self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF)
                 self.plain_streak += 1
-                # A probe drafts for every sequence in the batch, so a big batch probes less often.
-                if self.plain_streak >= self.settings.probe_every * batch_size * self.probe_backoff:
+                if self._probe_due(batch_size, self.plain_streak):
                     self.plain_streak = 0
                     k = 1
                     self.probing = True
@@ -242,6 +220,44 @@ class AdaptiveController:
         self.chosen[k] += 1
         self.drafted_last = k > 0 and not self.probing
         return k
+
+    def planned_k(self, batch_size: int = 1, source: str | None = None, drafting_rows: int | None = None) -> int:
+        """What choose_k would choose now (a probe's k = 1 included), changing nothing."""
+        k, averages = self._best_k(batch_size, source, drafting_rows)
+        if k == 0 and averages is not None and self._could_pay(averages, batch_size, drafting_rows):
+            return int(self._probe_due(batch_size, self.plain_streak + 1))
+        return k
+
+    def _probe_due(self, batch_size: int, plain_streak: int) -> bool:
+        # A probe drafts for every sequence in the batch, so a big batch probes less often.
+        return plain_streak >= self.settings.probe_every * batch_size * self.probe_backoff
+
+    def _best_k(
+        self, batch_size: int, source: str | None, drafting_rows: int | None
+    ) -> tuple[int, "_Averages | None"]:
+        """choose_k's k before probes: by the expected rates of `source` (its averages returned with it), or without
+        them (None): plain for a batch size whose plain step was never measured, first_k before any source was."""
+        if source is None:
+            source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
+        if batch_size > 1 and batch_size not in self.verify_cost:
+            # A batch size's plain step is measured before anything is drafted at it: it costs no drafts, and
+            # without it the cost of k extra tokens per sequence would be guessed from other sizes only.
+            return 0, None
+        if source is None:
+            return self.settings.first_k, None
+        averages = self._source(source)
+        k_values = range(self.settings.k_max + 1)
+        rates = [(self.expected_rate(k, averages, batch_size, drafting_rows), k) for k in k_values]
+        if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
+            return self.settings.first_k, averages
+        best_rate, k = max(rates)
+        # Within noise of plain decoding a measured gain this small is no gain: it takes min_gain to start drafting,
+        # and half of it to go on (else an acceptance estimate that a few unlucky steps pulled down stops a drafter
+        # that pays on average).
+        margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
+        if k > 0 and best_rate < (1 + margin) * rates[0][0]:
+            k = 0
+        return k, averages
 
     def choose_row_ks(
         self, batch_size: int, source: str, row_acceptance: list[list[float]], other_tokens: int, k_cap: list[int]
