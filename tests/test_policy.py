@@ -106,6 +106,7 @@ def probes(batch_size: int, verify_cost: dict[int, float], draft_cost: dict[int,
     """k = 1 probes in 256 steps with drafts that never pass (so plain decoding is the choice)."""
     controller = AdaptiveController(ControllerSettings(k_max=4, probe_every=8))
     controller.verify_cost = dict(verify_cost)
+    controller.plain_batches.add(batch_size)
     averages = controller._source("draft-model")
     averages.alpha = [0.0] * 4
     averages.draft_cost = dict(draft_cost)
@@ -154,6 +155,7 @@ def test_a_source_drafting_for_few_rows_of_a_batch_pays_for_the_whole_width():
     """Every row of the verify pass is padded to the longest draft, but only drafting rows gain tokens."""
     controller = AdaptiveController(ControllerSettings(k_max=4))
     controller.verify_cost = {16: 0.2, 32: 0.3, 48: 0.4, 64: 0.5, 80: 0.6}
+    controller.plain_batches.add(16)
     averages = controller._source("suffix-index")
     averages.alpha, averages.draft_cost, averages.reached = [0.9] * 4, {16: 0.0001}, [10] * 4
     assert controller.choose_k(16, "suffix-index") >= 2  # all 16 rows draft: 1 + ~3 tokens each for 3x the cost
@@ -360,6 +362,7 @@ def test_a_draft_forward_over_more_rows_than_measured_costs_as_the_targets_grows
     server drafted k = 1 at 70% acceptance and ran slower than plain."""
     controller = AdaptiveController(ControllerSettings(k_max=8))
     controller.seed({1: 0.038, 15: 0.130, 30: 0.175}, {"draft-model": 0.015})
+    controller.plain_batches.add(15)
     averages = controller._source("draft-model")
     assert controller._draft_seconds(averages, 15) == pytest.approx(0.015 * 0.130 / 0.038)
     assert controller._draft_seconds(averages, 1) == 0.015
@@ -386,3 +389,19 @@ def test_one_slow_forward_does_not_price_plain_steps_out():
     for _ in range(30):  # a forward that really got slower is followed, if step by step
         controller.observe_forward(16, 0.200)
     assert controller.verify_cost[16] == pytest.approx(0.200, rel=0.01)
+
+
+def test_seeded_costs_do_not_stand_for_a_plain_step_of_many_rows():
+    """One row's forwards timed before any step price drafting at one row, but a batch size drafts only after its own
+    plain step was measured: a one-row 4-token forward is not a 4-row one, and priced as one it had a 16-client
+    server draft while its first wave went in."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    controller.seed({1: 0.04, 2: 0.041, 4: 0.043, 8: 0.05}, {"draft-head": 0.001})
+    averages = controller._source("draft-head")
+    averages.alpha, averages.reached = [0.9] * 4, [10] * 4
+    assert controller.choose_k(1, "draft-head") > 0
+    assert controller.choose_k(4, "draft-head") == 0  # seeded: 4 tokens cost 43 ms, but not as 4 rows
+    controller.observe_forward(4, 0.043, rows=1)  # one row's 4-token verify pass: still not a plain step of 4 rows
+    assert controller.choose_k(4, "draft-head") == 0
+    controller.observe_forward(4, 0.06, rows=4)  # a plain step of 4 rows
+    assert controller.choose_k(4, "draft-head") > 0

@@ -837,7 +837,7 @@ class Scheduler:
         finished_at = time.perf_counter()
         forward_seconds = finished_at - verifying
         if not chunk:  # a forward that carried a chunk says nothing of what verifying costs
-            self.controller.observe_forward(verify_tokens, forward_seconds)
+            self.controller.observe_forward(verify_tokens, forward_seconds, rows=n)
         if not chunk and verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
             self._check_target_format(forward_seconds)
         if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
