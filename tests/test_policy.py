@@ -10,12 +10,6 @@ from verispec.models.loading import load_model
 from verispec.policy import AdaptiveController, ControllerSettings
 
 
-def observe(controller, source, drafted, accepted, draft_seconds, verify_tokens, verify_seconds):
-    """A batch of one's step: its forward over verify_tokens, then its drafts."""
-    controller.observe_forward(verify_tokens, verify_seconds)
-    controller.observe(source, drafted, accepted, draft_seconds)
-
-
 def run_steps(controller, steps, accept_rate_of_k, draft_cost, verify_cost):
     """Simulate steps: the controller picks k, the 'world' answers with costs and acceptances."""
     chosen = []
@@ -23,7 +17,7 @@ def run_steps(controller, steps, accept_rate_of_k, draft_cost, verify_cost):
         k = controller.choose_k()
         chosen.append(k)
         accepted = min(k, int(round(accept_rate_of_k * k)))
-        observe(controller, "draft-model", k, accepted, draft_cost * k, k + 1, verify_cost(k + 1))
+        controller.observe("draft-model", k, accepted, draft_cost * k, k + 1, verify_cost(k + 1))
     return chosen
 
 
@@ -57,12 +51,12 @@ def test_positions_never_reached_borrow_the_acceptance_seen_before_them():
     """Drafts of 2 that always pass: deeper positions are judged by that, not by the prior."""
     controller = AdaptiveController(ControllerSettings(k_max=6, prior_acceptance=0.3))
     for _ in range(20):
-        observe(controller, "draft-model", 2, 2, 0.02, 3, 0.11)
-    observe(controller, "draft-model", 0, 0, 0.0, 1, 0.1)
+        controller.observe("draft-model", 2, 2, 0.02, 3, 0.11)
+    controller.observe("draft-model", 0, 0, 0.0, 1, 0.1)
     assert controller._source("draft-model").acceptance()[2:] == [pytest.approx(controller._source("draft-model").alpha[1])] * 4
     assert controller.choose_k() == 6  # 1 + 6 tokens for 0.06 + ~0.15 s beats 3 for 0.13 s
     for _ in range(20):  # once reached, a position's own record counts
-        observe(controller, "draft-model", 6, 2, 0.06, 7, 0.15)
+        controller.observe("draft-model", 6, 2, 0.06, 7, 0.15)
     assert controller._source("draft-model").acceptance()[2] < 0.1
     assert controller.choose_k() == 2
 
@@ -75,13 +69,13 @@ def test_a_deep_position_measured_low_recovers_when_shorter_drafts_keep_passing(
     controller = AdaptiveController(ControllerSettings(k_max=6))
     verify = lambda n: 0.04 + 0.002 * n  # noqa: E731
     for _ in range(30):
-        observe(controller, "draft-model", 6, 1, 0.06, 7, verify(7))
+        controller.observe("draft-model", 6, 1, 0.06, 7, verify(7))
     assert controller.choose_k() == 1
     chosen = []
     for _ in range(60):
         k = controller.choose_k()
         chosen.append(k)
-        observe(controller, "draft-model", k, k, 0.01 * k, k + 1, verify(k + 1))
+        controller.observe("draft-model", k, k, 0.01 * k, k + 1, verify(k + 1))
     assert min(chosen[-10:]) >= 4
 
 
@@ -92,7 +86,7 @@ def test_vain_probes_come_ever_further_apart_and_a_draft_that_pays_resets_them()
         k = controller.choose_k()
         if controller.probing:
             probes_at.append(step)
-        observe(controller, "draft-model", k, 0, 0.05 * k, k + 1, 0.2 + 0.005 * (k + 1))
+        controller.observe("draft-model", k, 0, 0.05 * k, k + 1, 0.2 + 0.005 * (k + 1))
     gaps = [later - earlier for earlier, later in zip(probes_at, probes_at[1:])]
     assert gaps[:4] == [16, 32, 64, 128] and controller.probe_backoff == 16  # probes 16, 32, ... steps apart
     run_steps(controller, 300, 1.0, 0.001, lambda n: 0.2)
@@ -112,7 +106,7 @@ def probes(batch_size: int, verify_cost: dict[int, float], draft_cost: dict[int,
     """k = 1 probes in 256 steps with drafts that never pass (so plain decoding is the choice)."""
     controller = AdaptiveController(ControllerSettings(k_max=4, probe_every=8))
     controller.verify_cost = dict(verify_cost)
-    controller.observe_step(None, batch_size, 0.0, 0.0)  # a plain step of batch_size rows was measured
+    controller.plain_batches.add(batch_size)
     averages = controller._source("draft-model")
     averages.alpha = [0.0] * 4
     averages.draft_cost = dict(draft_cost)
@@ -146,10 +140,10 @@ def test_k_follows_the_source_that_will_draft():
     controller = AdaptiveController(ControllerSettings(k_max=8))
     verify = lambda n: 0.04 + 0.002 * n  # noqa: E731 - a CPU verify pass: a few tokens cost about one
     for _ in range(30):
-        observe(controller, "suffix-index", 6, 6, 0.0001, 7, verify(7))
-        observe(controller, "draft-model", 2, 1, 2 * 0.02, 3, verify(3))
+        controller.observe("suffix-index", 6, 6, 0.0001, 7, verify(7))
+        controller.observe("draft-model", 2, 1, 2 * 0.02, 3, verify(3))
     for _ in range(30):  # the draft model is the most recent source by far
-        observe(controller, "draft-model", 2, 1, 2 * 0.02, 3, verify(3))
+        controller.observe("draft-model", 2, 1, 2 * 0.02, 3, verify(3))
     assert controller.choose_k(source="suffix-index") >= 6
     assert 1 <= controller.choose_k(source="draft-model") <= 3
     assert controller.choose_k() == controller.choose_k(source="draft-model")  # None: the most recent source
@@ -161,7 +155,7 @@ def test_a_source_drafting_for_few_rows_of_a_batch_pays_for_the_whole_width():
     """Every row of the verify pass is padded to the longest draft, but only drafting rows gain tokens."""
     controller = AdaptiveController(ControllerSettings(k_max=4))
     controller.verify_cost = {16: 0.2, 32: 0.3, 48: 0.4, 64: 0.5, 80: 0.6}
-    controller.observe_step(None, 16, 0.0, 0.0)  # a plain step of 16 rows was measured
+    controller.plain_batches.add(16)
     averages = controller._source("suffix-index")
     averages.alpha, averages.draft_cost, averages.reached = [0.9] * 4, {16: 0.0001}, [10] * 4
     assert controller.choose_k(16, "suffix-index") >= 2  # all 16 rows draft: 1 + ~3 tokens each for 3x the cost
@@ -174,9 +168,9 @@ def test_a_source_drafting_for_few_rows_of_a_batch_pays_for_the_whole_width():
 def test_plain_cost_is_unknown_until_measured():
     controller = AdaptiveController()
     assert controller.plain_seconds_per_token() is None
-    observe(controller, "x", 5, 5, 0.1, 6, 0.3)
+    controller.observe("x", 5, 5, 0.1, 6, 0.3)
     assert controller.plain_seconds_per_token() is None  # one size only: no honest extrapolation
-    observe(controller, "x", 0, 0, 0.0, 1, 0.2)
+    controller.observe("x", 0, 0, 0.0, 1, 0.2)
     assert controller.plain_seconds_per_token() == pytest.approx(0.2)
 
 
@@ -342,11 +336,11 @@ def test_an_unlucky_first_draft_does_not_keep_a_source_from_drafting():
     by its overhead, not its seconds per token (which kept prompt lookup from drafting on an AVX2 Zen 1)."""
     controller = AdaptiveController(ControllerSettings(k_max=4))
     controller.seed({1: 0.074, 2: 0.117, 4: 0.2, 8: 0.36}, {"prompt-lookup": 0.0})
-    observe(controller, "prompt-lookup", 4, 0, 0.0, 5, 0.24)
+    controller.observe("prompt-lookup", 4, 0, 0.0, 5, 0.24)
     controller.observe_step("prompt-lookup", 1, 0.241, 0.24)  # 241 ms for one token
     controller.observe_step(None, 1, 0.075, 0.074)
     for _ in range(6):  # probes that pass
-        observe(controller, "prompt-lookup", 1, 1, 0.0, 2, 0.117)
+        controller.observe("prompt-lookup", 1, 1, 0.0, 2, 0.117)
         controller.observe_step("prompt-lookup", 1, 0.118, 0.117)
     assert controller.choose_k(source="prompt-lookup") > 0
 
@@ -368,7 +362,7 @@ def test_a_draft_forward_over_more_rows_than_measured_costs_as_the_targets_grows
     server drafted k = 1 at 70% acceptance and ran slower than plain."""
     controller = AdaptiveController(ControllerSettings(k_max=8))
     controller.seed({1: 0.038, 15: 0.130, 30: 0.175}, {"draft-model": 0.015})
-    controller.observe_step(None, 15, 0.0, 0.0)  # a plain step of 15 rows was measured
+    controller.plain_batches.add(15)
     averages = controller._source("draft-model")
     assert controller._draft_seconds(averages, 15) == pytest.approx(0.015 * 0.130 / 0.038)
     assert controller._draft_seconds(averages, 1) == 0.015
@@ -407,9 +401,7 @@ def test_seeded_costs_do_not_stand_for_a_plain_step_of_many_rows():
     averages.alpha, averages.reached = [0.9] * 4, [10] * 4
     assert controller.choose_k(1, "draft-head") > 0
     assert controller.choose_k(4, "draft-head") == 0  # seeded: 4 tokens cost 43 ms, but not as 4 rows
-    controller.observe_forward(4, 0.043)  # one row's 4-token verify pass, drafting: still not a plain step of 4 rows
-    controller.observe_step("draft-head", 1, 0.045, 0.043)
+    controller.observe_forward(4, 0.043, rows=1)  # one row's 4-token verify pass: still not a plain step of 4 rows
     assert controller.choose_k(4, "draft-head") == 0
-    controller.observe_forward(4, 0.06)  # a plain step of 4 rows
-    controller.observe_step(None, 4, 0.062, 0.06)
+    controller.observe_forward(4, 0.06, rows=4)  # a plain step of 4 rows
     assert controller.choose_k(4, "draft-head") > 0

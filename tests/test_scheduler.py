@@ -288,7 +288,7 @@ def test_controller_speculates_less_when_verification_gets_expensive():
     controller = AdaptiveController(ControllerSettings(k_max=8))
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 144):
         controller.verify_cost[tokens] = 0.2 if tokens <= 8 else 0.2 + 0.012 * (tokens - 8)
-    controller.observe_step(None, 16, 0.0, 0.0)  # a plain step of 16 rows was measured
+    controller.plain_batches.add(16)
     averages = controller._source("draft-model")
     averages.alpha = [0.8] * 8
     averages.draft_cost = {1: 0.02, 16: 0.06}
@@ -622,16 +622,16 @@ def test_a_batched_step_is_one_forward_observation(target, monkeypatch):
     forwards = []
     observe_forward = scheduler.controller.observe_forward
 
-    def recorded(tokens: int, seconds: float) -> None:
-        forwards.append(tokens)
-        observe_forward(tokens, seconds)
+    def recorded(tokens: int, seconds: float, rows: int = 1) -> None:
+        forwards.append((tokens, rows))
+        observe_forward(tokens, seconds, rows)
 
     monkeypatch.setattr(scheduler.controller, "observe_forward", recorded)
     scheduler._admit()
     assert len(scheduler.active) == 4
     scheduler._step()
-    assert forwards == [4]
-    assert (None, 4) in scheduler.controller.step_overhead  # a plain step of 4 rows: drafting may be priced there
+    assert forwards == [(4, 4)]
+    assert 4 in scheduler.controller.plain_batches
 
 
 def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target, monkeypatch):

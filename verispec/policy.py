@@ -28,10 +28,9 @@ them. The controller picks argmax E(k) / seconds over k = 0 .. k_max, where k = 
 decoding; a single request is b = 1. As the batch grows the verify pass stops being memory-bound
 and costs more per token, so the same acceptance buys less and the chosen k falls.
 
-The first step at a batch size b > 1 is plain (k = 0): its cost anchors what each extra token costs. It
-counts once a whole plain step of b rows was measured (observe_step), not on costs seeded before any step
-(one row's forwards): a forward of 4 tokens for one row is not one of 4 rows, and priced as one it had a
-16-client server draft while its first wave went in.
+The first step at a batch size b > 1 is plain (k = 0): its cost anchors what each extra token costs. Costs
+seeded before any step (one row's forwards) do not count as that step: a forward of 4 tokens for one row
+is not one of 4 rows, and priced as one it had a 16-client server draft while its first wave went in.
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
 token) so it notices when the drafter starts to agree again (each probe that finds plain decoding still best
 doubles that wait, up to MAX_PROBE_BACKOFF times); unless the costs alone rule drafting
@@ -128,6 +127,7 @@ class AdaptiveController:
     # (source that drafted, or None for a plain step; batch size) -> seconds a whole step took beyond its priced
     # parts (drafting and the forward): see observe_step
     step_overhead: dict[tuple[str | None, int], float] = field(default_factory=dict)
+    plain_batches: set[int] = field(default_factory=set)  # batch sizes whose plain step was measured (observe_forward)
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
@@ -242,7 +242,7 @@ class AdaptiveController:
         them (None): plain for a batch size whose plain step was never measured, first_k before any source was."""
         if source is None:
             source = self.recent_sources.most_common(1)[0][0] if self.recent_sources else None
-        if batch_size > 1 and (None, batch_size) not in self.step_overhead:  # no plain step of this size measured
+        if batch_size > 1 and batch_size not in self.plain_batches:
             # A batch size's plain step is measured before anything is drafted at it: it costs no drafts, and
             # without it the cost of k extra tokens per sequence would be guessed from other sizes only.
             return 0, None
@@ -335,14 +335,21 @@ class AdaptiveController:
         drafted: int,
         accepted: int,
         draft_seconds: float,
+        verify_tokens: int,
+        verify_seconds: float | None,
         batch_size: int = 1,
     ) -> None:
-        """Record one sequence's step: how many drafts from `source` were accepted, and what drafting cost.
+        """Record one sequence's step: how many drafts from `source` were accepted, what each phase cost.
 
         For a batch, call once per sequence with the whole step's draft_seconds (each row's share of the
-        draft cost then weighs 1 / batch_size of a step); the step's forward is observe_forward's, once.
+        draft cost then weighs 1 / batch_size of a step) and verify_seconds None, and observe_forward once
+        for the step's forward. verify_seconds (a batch of one): what its forward over verify_tokens took;
+        None also where the forward carried other work (a prompt chunk), which tells nothing of what
+        verifying costs.
         """
         w = self.settings.smoothing
+        if verify_seconds is not None:
+            self.observe_forward(verify_tokens, verify_seconds)
         if drafted == 0:
             return
         averages = self._source(source)
@@ -372,9 +379,10 @@ class AdaptiveController:
             for name in list(self.recent_sources):
                 self.recent_sources[name] //= 2
 
-    def observe_forward(self, tokens: int, seconds: float) -> None:
-        """Record one verify forward over `tokens` tokens in all (every row's): it took `seconds`. Not one that
-        carried other work (a prompt chunk), which tells nothing of what verifying costs."""
+    def observe_forward(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """Record one verify forward over `tokens` tokens in all, of `rows` rows: it took `seconds`."""
+        if tokens == rows:
+            self.plain_batches.add(rows)
         average = self.verify_cost.get(tokens)
         if average is not None:
             seconds = min(seconds, SLOW_FORWARD_CLIP * average)

@@ -837,9 +837,9 @@ class Scheduler:
         finished_at = time.perf_counter()
         forward_seconds = finished_at - verifying
         if not chunk:  # a forward that carried a chunk says nothing of what verifying costs
-            self.controller.observe_forward(verify_tokens, forward_seconds)
-            if verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
-                self._check_target_format(forward_seconds)
+            self.controller.observe_forward(verify_tokens, forward_seconds, rows=n)
+        if not chunk and verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
+            self._check_target_format(forward_seconds)
         if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
             total = verify_tokens + len(chunk)
             self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
@@ -869,7 +869,7 @@ class Scheduler:
             spent = draft_seconds.get(source, 0.0)
             if source == self.batched_source and drafted:  # the batch drafted `deepest` positions, this row fewer
                 spent *= drafted / deepest
-            self.controller.observe(source, drafted, num_accepted, spent, batch_size=n)
+            self.controller.observe(source, drafted, num_accepted, spent, verify_tokens, None, batch_size=n)
             if hidden is not None:  # the positions it committed: its pending token's and the accepted drafts'
                 self.draft.observe(b, len(sequence.tokens) - 1, hidden[b][: num_accepted + 1])
             sequence.tokens.extend(tokens)
