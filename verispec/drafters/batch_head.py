@@ -31,7 +31,9 @@ class BatchedDraftHead(BatchedDraftModel):
         self.model = head
         self.target_vocab_size = target_vocab_size
         self.keys, self.values = head.new_cache(max_batch_size, capacity)  # (B, H, capacity, D) each
-        self.lengths = torch.zeros(max_batch_size, dtype=torch.long)  # committed entries (the target's features)
+        # Committed entries (the target's features) per row, as Python ints: observe runs for every row of every
+        # step, and a tensor op there is a GIL hand-off a served step waits on (1.8 ms of a 16-row step on a Xeon).
+        self.lengths = [0] * max_batch_size
         self.first = [0] * max_batch_size  # position of entry 0
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(max_batch_size)]  # features (T_i, C) not fed
         self.pending_count = [0] * max_batch_size  # positions in each row's pending features
@@ -59,19 +61,20 @@ class BatchedDraftHead(BatchedDraftModel):
     def observe(self, row: int, position: int, features: torch.Tensor) -> None:
         """The target's last hidden states (T, C) at positions position .. position + T - 1 of the row's sequence.
         Not where the row's own ones end (positions it never saw): the row starts again from `position`."""
-        if not len(features):
+        count = features.shape[0]
+        if not count:
             return
-        expected = self.first[row] + int(self.lengths[row]) + self.pending_count[row]
+        expected = self.first[row] + self.lengths[row] + self.pending_count[row]
         if position != expected or (self.lengths[row] == 0 and not self.pending[row]):
             self._clear(row, position)
         self.pending[row].append(features)
-        self.pending_count[row] += len(features)
+        self.pending_count[row] += count
 
     def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
         """Start `destination` with what row `source` holds of the same prompt (its first prompt_length - 1 tokens)."""
         end = prompt_length - 1 - self.first[source]  # entries wanted, from the source's first position
         self._clear(destination, self.first[source])
-        kept = min(int(self.lengths[source]), max(end, 0))
+        kept = min(self.lengths[source], max(end, 0))
         self.keys[destination, :, :kept] = self.keys[source, :, :kept]
         self.values[destination, :, :kept] = self.values[source, :, :kept]
         self.lengths[destination] = self.written[destination] = kept
@@ -114,7 +117,7 @@ class BatchedDraftHead(BatchedDraftModel):
         draft, its hidden states do not reach the newest committed token)."""
         self.written[row] = self.lengths[row]
         self._first_feed = True
-        start = self.first[row] + int(self.lengths[row])
+        start = self.first[row] + self.lengths[row]
         end = start + self.pending_count[row]
         if end == start or end != len(tokens) - 1:
             return None

@@ -871,7 +871,8 @@ class Scheduler:
                 spent *= drafted / deepest
             self.controller.observe(source, drafted, num_accepted, spent, verify_tokens, None, batch_size=n)
             if hidden is not None:  # the positions it committed: its pending token's and the accepted drafts'
-                self.draft.observe(b, len(sequence.tokens) - 1, hidden[b][: num_accepted + 1])
+                committed = hidden[b] if hidden[b].shape[0] == num_accepted + 1 else hidden[b][: num_accepted + 1]
+                self.draft.observe(b, len(sequence.tokens) - 1, committed)
             sequence.tokens.extend(tokens)
             finish_reason = self._try(sequence, self._commit_row, sequence, tokens, row_logits[b], finished_at)
             if finish_reason is not None:
