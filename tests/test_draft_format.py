@@ -47,7 +47,7 @@ def plant(best: str, seconds: dict[str, float] | None = None) -> None:
     path.write_text(json.dumps(table))
 
 
-def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own_cache, tiny_dir):
+def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own_cache, tiny_dir, monkeypatch):
     draft = load_model(tiny_dir, "auto")
     choice = quantize_draft(draft, "auto", dtype_asked=False)
     (kind, kept), = draft_choices().items()
@@ -56,6 +56,11 @@ def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own
     assert kept["best"] == min(kept["seconds"], key=kept["seconds"].get)
     assert choice.label.startswith(kept["best"].partition("-")[0]) and choice.seconds == kept["seconds"]
     assert draft.model.weight_format == choice.weight_format and not draft.model.invariant_attention
+    # The check at load finds the choice as fast as remembered (measured, a tiny model's forwards on a busy CI
+    # machine once came out MARGIN slower, and it was rightly timed again: the next test covers that case).
+    remembered_cost = kept["seconds"][kept["best"]]
+    as_remembered = lambda models, **_: {name: {1: remembered_cost} for name in models}  # noqa: E731
+    monkeypatch.setattr(draft_format, "forward_costs", as_remembered)
     again = load_model(tiny_dir, "auto")
     assert quantize_draft(again, "auto", dtype_asked=False) == choice  # remembered, not timed again
     assert draft_choices() == {kind: kept}

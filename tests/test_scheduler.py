@@ -64,7 +64,7 @@ def test_batched_greedy_equals_single_requests(target, draft, drafter, k):
         assert "".join(e.text for e in prompt_events) == target.decode(want)
         assert 0 <= final.stats.accepted_tokens <= final.stats.drafted_tokens
     assert scheduler.num_active == 0
-    if drafter != "none":
+    if drafter != "none" and k != "auto":  # auto drafts where the tiny models' measured steps say it pays: not always
         assert sum(e[-1].stats.drafted_tokens for e in events) > 0
 
 

@@ -221,6 +221,22 @@ def test_greedy_verify_from_scores_gives_verifys_tokens(k: int, seed: int, ties:
     assert verify_greedy(drafts, logits) == (accepted, result.token_ids[0, : accepted + 1].tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_verify_breaks_ties_to_the_lowest_index_over_a_real_vocabulary(dtype) -> None:
+    """Over a real model's vocabulary (its rows span many vector lanes) verify_greedy's token is still the first
+    maximum, argmax's and plain decoding's, wherever the tied maxima fall."""
+    vocab_size = 151_936
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab_size, generator=generator).to(dtype)  # (k+1, V), k = 3
+    tied = [[7, 8, 151_935], [0, 64, 100_000], [151_934, 151_935], [33, 17]]
+    for row, positions in enumerate(tied):
+        logits[row, positions] = 9.0
+    drafts = torch.tensor([7, 0, 151_934])  # (k,) each its row's first maximum
+    assert verify_greedy(drafts, logits) == (3, [7, 0, 151_934, 17])
+    assert verify_greedy(torch.tensor([8, 0, 151_934]), logits) == (0, [7])  # a later tied maximum is rejected
+    assert logits.argmax(-1).tolist() == [7, 0, 151_934, 17]
+
+
 def test_batch_mixing_one_hot_and_spread_targets_keeps_both_laws() -> None:
     """k = 0: even rows are greedy (always the argmax), odd rows draw their bonus from p0."""
     p0 = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)  # (V,)
