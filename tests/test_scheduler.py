@@ -635,17 +635,16 @@ def test_a_batched_step_is_one_forward_observation(target, monkeypatch):
     assert 4 in scheduler.controller.plain_batches
 
 
-def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target, monkeypatch):
-    """A composite's rows go to its batched drafter without asking their lookups where the controller would not have
-    the lookups draft even for every row (indexing each row's text for nothing cost 1.2% of a 16-client chat server's
-    steps); where it would, each row's lookup is asked as before."""
+def composite_with_counted_lookups(target, monkeypatch) -> tuple[Scheduler, list[int]]:
+    """A composite auto-k scheduler with three rows admitted, and a list that grows by one each time a row's lookup
+    is asked whether it can propose."""
     from verispec.drafters.suffix_index import SuffixIndexDrafter
 
     scheduler = Scheduler(target, target.model, "composite", k="auto", limits=SchedulerLimits(3, 8, 256))
     for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):  # PROMPTS[4] ends in a context it had before
         scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
     scheduler._admit()
-    asked = []
+    asked: list[int] = []
     can_propose = SuffixIndexDrafter.can_propose
 
     def counted(self, tokens: list[int]) -> bool:
@@ -653,6 +652,14 @@ def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target
         return can_propose(self, tokens)
 
     monkeypatch.setattr(SuffixIndexDrafter, "can_propose", counted)
+    return scheduler, asked
+
+
+def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target, monkeypatch):
+    """A composite's rows go to its batched drafter without asking their lookups where the controller would not have
+    the lookups draft even for every row (indexing each row's text for nothing cost 1.2% of a 16-client chat server's
+    steps); where it would, each row's lookup is asked as before."""
+    scheduler, asked = composite_with_counted_lookups(target, monkeypatch)
     controller = scheduler.controller
     lookup = controller._source("suffix-index")
     lookup.draft_cost = {3: 1e-5}
@@ -672,20 +679,7 @@ def test_lookups_are_planned_for_as_many_rows_as_last_found_a_recurring_context(
     """Planned as if every row drafted by lookup, a 15-row chat step asked each row's lookup and indexed its backlog
     (42 ms on average on a Xeon) where about one row in ten found a recurring context. The plan takes the share of
     rows that found one when the lookups were last asked; LOOKUP_SHARE_STEPS steps later, every row again."""
-    from verispec.drafters.suffix_index import SuffixIndexDrafter
-
-    scheduler = Scheduler(target, target.model, "composite", k="auto", limits=SchedulerLimits(3, 8, 256))
-    for prompt in (PROMPTS[4], PROMPTS[1], PROMPTS[2]):
-        scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=40))
-    scheduler._admit()
-    asked = []
-    can_propose = SuffixIndexDrafter.can_propose
-
-    def counted(self, tokens: list[int]) -> bool:
-        asked.append(1)
-        return can_propose(self, tokens)
-
-    monkeypatch.setattr(SuffixIndexDrafter, "can_propose", counted)
+    scheduler, asked = composite_with_counted_lookups(target, monkeypatch)
     controller = scheduler.controller
     lookup = controller._source("suffix-index")
 
