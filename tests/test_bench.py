@@ -83,6 +83,32 @@ def test_bench_end_to_end_on_tiny_models(tmp_path, tiny_dir, other_tiny_dir, cap
     assert "plain" in printed and "spec-k4: drafter draft model, k 4" in printed
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_bench_prints_one_line_per_mode_where_its_table_would_fold(tmp_path, tiny_dir, other_tiny_dir, capsys,
+                                                                   monkeypatch, columns):
+    """An 80-column terminal or a pipe folds the whole table inside its cells ("plai" over "n"): there each mode gets
+    one line that fits, with its speedup; a terminal wide enough gets the table itself."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--target", str(tiny_dir), "--draft", str(other_tiny_dir), "--workload", str(workload),
+        "--modes", "plain,spec,composite", "--k", "2,auto", "--max-new-tokens", "8", "--dtype", "float32",
+        "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr()
+    lines = (printed.out + printed.err).splitlines()
+    assert max(map(len, lines)) <= columns, printed.out
+    summaries = json.loads((out / "results.json").read_text())["summary"]
+    assert [s["mode"] for s in summaries] == ["plain", "spec-k2", "spec-auto", "composite-k2", "composite-auto"]
+    for summary in summaries:
+        speedup = f"{summary['speedup_geomean']:.2f}x"
+        assert any(summary["mode"] in line and speedup in line for line in lines), (summary["mode"], printed.out)
+    assert ("speedup (geomean, 95% CI)" in printed.out) == (columns == 200)  # the full table where it fits
+
+
 def test_bench_rejects_bad_arguments(capsys, tiny_dir):
     with pytest.raises(SystemExit):
         main(["bench", "--target", str(tiny_dir), "--modes", "plain,warp"])

@@ -128,6 +128,28 @@ def test_bench_serve_starts_servers_per_turn_counts_errors_and_skips_what_cannot
     assert port_is_free(port)  # the started server is stopped after its turn
 
 
+def test_bench_serve_summary_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
+    """Its table folds cell by cell at 80 columns: there each server and level gets one line that fits."""
+    monkeypatch.setenv("COLUMNS", "80")
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text('{"id": "p0", "prompt": "alpha beta"}\n{"id": "p1", "prompt": "zeta"}\n')
+    port = free_port()
+    out = tmp_path / "out"
+    code = main([
+        "bench-serve", "--server", f"stub-server=http://127.0.0.1:{port}/v1",
+        "--start", f"stub-server={stub_command(port)}",
+        "--workload", str(workload), "--concurrency", "1,2", "--requests-per-client", "1", "--max-tokens", "8",
+        "--out", str(out),
+    ])
+    assert code == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert max(map(len, lines)) <= 80, lines
+    for summary in json.loads((out / "results.json").read_text())["summaries"]:
+        throughput = f"{summary['throughput_tokens_per_second']:.2f}"
+        assert any(line.startswith("stub-server ") and f" {summary['concurrency']} " in line and throughput in line
+                   for line in lines), (summary, lines)
+
+
 def test_start_must_name_a_server(tmp_path):
     assert main(["bench-serve", "--server", "a=http://127.0.0.1:1/v1", "--start", "b=true", "--out", str(tmp_path)]) == 2
 

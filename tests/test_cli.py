@@ -73,6 +73,18 @@ def test_models_lists_the_catalog(capsys):
     assert "qwen2.5-coder-1.5b-instruct" in out and "smollm2-135m-instruct" in out
 
 
+def test_models_fits_an_80_column_terminal(capsys, monkeypatch):
+    """Its tables fold cell by cell at 80 columns: there each model gets one line, and the notes wrap to fit."""
+    from verispec.models.catalog import CATALOG
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80, lines
+    for name in CATALOG:
+        assert any(line.startswith(name + " ") for line in lines), (name, lines)
+
+
 def test_generate_reports_the_target_format_and_fast_format_speculation_is_exact(capsys, tiny_dir, other_tiny_dir):
     common = ["--target", str(tiny_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "24",
               "--dtype", "bfloat16", "--quantize", FAST_FORMAT]

@@ -16,7 +16,6 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -280,12 +279,27 @@ def test_request_ids_are_echoed_and_the_access_log_has_the_generations_figures(g
 # -- a huge request does not stall the others -----------------------------------------------------------
 
 
+STALL_FLOOR = 1.0  # seconds of silence a loaded 2-core machine may cause without any stall by the server
+STALL_CEILING = 3.0  # seconds of silence that are a stall however long the big request takes
+
+
+def longest_silence(stamps: list[float], start: float, end: float) -> tuple[float, int]:
+    """(the longest time between start and end without a stream event, how many events came in between)."""
+    heard = [t for t in stamps if start < t < end]
+    points = [start, *heard, end]
+    return max(b - a for a, b in zip(points, points[1:])), len(heard)
+
+
 def test_a_one_megabyte_prompt_does_not_stall_a_running_stream(guarded):
+    """Tokenizing a 1 MB prompt (then refusing it: longer than the context) happens off the event loop, so a
+    running stream keeps producing meanwhile. Only what a busy machine cannot fake is asserted, no comparison of
+    latencies (a shared machine spreads them): events arrive during the big request, and no silence comes near its
+    whole duration. A server that stalled the stream for the tokenization would hold its events until the
+    tokenization ended: none before the 400, or one burst just before it, and a silence as long as the request."""
     url, _ = guarded
     name = model_id(url)
     stamps: list[float] = []
-    big_sent = threading.Event()
-    big: dict = {}
+    stream_ended: list[float] = []
 
     def stream() -> None:
         body = {"model": name, "prompt": "def", "max_tokens": 480, "ignore_eos": True, "stream": True}
@@ -293,27 +307,27 @@ def test_a_one_megabyte_prompt_does_not_stall_a_running_stream(guarded):
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     stamps.append(time.perf_counter())
+        stream_ended.append(time.perf_counter())
 
+    text = ("def add(a, b):\n    return a + b  # a comment to tokenize\n" * 20000)[:1_000_000]
     streaming = threading.Thread(target=stream)
     streaming.start()
     while len(stamps) < 40:
         assert streaming.is_alive(), "the stream ended early"
         time.sleep(0.01)
-    text = ("def add(a, b):\n    return a + b  # a comment to tokenize\n" * 20000)[:1_000_000]
-    big["start"] = time.perf_counter()
-    big_sent.set()
+    big_start = time.perf_counter()
     response = httpx.post(f"{url}/v1/completions", headers=authorized(), timeout=120,
                           json={"model": name, "prompt": text, "max_tokens": 1})
-    big["end"] = time.perf_counter()
+    big_end = time.perf_counter()
     streaming.join(timeout=120)
     assert is_openai_error(response, 400)["param"] == "prompt"  # tokenized, then refused: longer than the context
-    gaps = np.diff(stamps)
-    times = np.array(stamps[1:])
-    steady = gaps[(times < big["start"])][5:]
-    during = gaps[(times > big["start"]) & (times < big["end"])]
-    assert len(steady) > 20 and len(during) > 5, (len(steady), len(during))
-    assert np.percentile(during, 95) <= 2 * np.percentile(steady, 95) + 0.005, (
-        np.percentile(during, 95), np.percentile(steady, 95))
+    assert stream_ended and stream_ended[0] > big_start, "the stream ended before the big request began"
+    # A stream that ended before the big request did was not stalled: a stalled one cannot end before the stall.
+    window = min(big_end, stream_ended[0]) - big_start
+    silence, heard = longest_silence(stamps, big_start, big_start + window)
+    assert heard > 0, f"no stream event in the {window:.3f} s the stream and the big request overlapped"
+    # a stall is as long as the tokenization: caught wherever that outlasts what a busy machine may pause
+    assert silence <= min(STALL_CEILING, max(window / 2, STALL_FLOOR)), (silence, window, heard)
 
 
 # -- in-process: a deadline, an unexpected failure, CORS -------------------------------------------------

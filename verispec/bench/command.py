@@ -176,6 +176,13 @@ def drafter_label(drafter) -> str:
     return ", then ".join(parts)
 
 
+def mode_drafter(mode) -> str:
+    """What drafts for a mode, in words; "-" for plain decoding."""
+    if hasattr(mode, "engine"):
+        return "-" if mode.engine.drafter is None else drafter_label(mode.engine.drafter)
+    return "-" if mode.assistant is None else "draft model (transformers' assistant)"
+
+
 def choice_lines(choices: dict) -> list[str]:
     """made_choices as the lines the bench prints under its table."""
     lines = []
@@ -205,7 +212,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from verispec.bench.checks import COMPLETION_STOPS, pass_at_1, require_checkable, schema_valid
-    from verispec.bench.report import COLUMNS, cells, markdown, plot, write_results
+    from verispec.bench.report import COLUMNS, cells, markdown, narrow_rows, plot, write_results
     from verispec.bench.runner import run_all, summarize_mode
     from verispec.bench.workloads import load_workload, render_prompt
     from verispec.bench.machine import git_commit, machine_description, machine_kind
@@ -213,6 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from verispec.engine import GenerationConfig
     from verispec.models.loading import load_model
     from verispec.sampling import SamplingParams
+    from verispec.terminal import print_note, print_table
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -309,10 +317,11 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right", overflow="fold")
     for summary in summaries:
         table.add_row(*[escape(cell) for cell in cells(summary)])  # "[none]" is not rich markup
-    Console().print(table)
+    out = Console()
+    print_table(out, table, *narrow_rows(summaries, {m.name: mode_drafter(m) for m in modes}))
     choices = made_choices(targets, modes)
     for line in choice_lines(choices):
-        Console().print(escape(line))
+        print_note(out, line)
 
     args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_description()

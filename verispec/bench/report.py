@@ -37,6 +37,25 @@ def cells(summary: dict) -> list[str]:
     ]
 
 
+NARROW_COLUMNS = ["mode", "tok/s", "speedup", "accept", "same as plain", "pass@1", "schema-valid"]
+MEASURED_ONLY_BY_SOME_RUNS = {"pass@1": "pass_at_1", "schema-valid": "schema_valid"}
+
+
+def narrow_rows(summaries: list[dict], drafters: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """The table for a narrow terminal: headers and one row per mode, the figures that decide first and the mode's
+    drafter (in words) last, where it can be cut to fit. pass@1 and schema-valid only where this run measured them."""
+    columns = [
+        c for c in NARROW_COLUMNS
+        if c not in MEASURED_ONLY_BY_SOME_RUNS or any(MEASURED_ONLY_BY_SOME_RUNS[c] in s for s in summaries)
+    ]
+    rows = []
+    for summary in summaries:
+        cell = dict(zip(COLUMNS, cells(summary)))
+        cell["speedup"] = f"{summary['speedup_geomean']:.2f}x"  # its interval stays in the table and report.md
+        rows.append([cell[c] for c in columns] + [drafters.get(summary["mode"], "-")])
+    return columns + ["drafter"], rows
+
+
 def raw_record(results: list[PromptRuns]) -> list[dict]:
     return [
         {

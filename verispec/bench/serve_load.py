@@ -336,6 +336,8 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
     from rich.console import Console
     from rich.table import Table
 
+    from verispec.terminal import print_table
+
     console = Console(stderr=True)
     servers = _parse_servers(args.server, args.start)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -393,12 +395,13 @@ def run_bench_serve(args: argparse.Namespace, argv: list[str] | None = None) -> 
         _add_agreement(summaries, results, measured[0])
     _write(args, argv, servers, measured, summaries, results, skipped)
     table = Table(title=f"serving: {args.workload}, {args.max_tokens} tokens")
-    for column in ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept",
-                   "tok/fwd", "finished", "errors"):
+    for column in TABLE_COLUMNS:
         table.add_column(column)
-    for s in summaries:
-        table.add_row(*_row(s))
-    console.print(table)
+    rows = [_row(s) for s in summaries]
+    for row in rows:
+        table.add_row(*row)
+    narrow = [[cell for column, cell in zip(TABLE_COLUMNS, row) if column in NARROW_COLUMNS] for row in rows]
+    print_table(console, table, list(NARROW_COLUMNS), narrow)
     for name, why in skipped.items():
         console.print(f"{name}: skipped: {why}")
     console.print(f"results in {args.out}/")
@@ -425,7 +428,15 @@ def _finish_reasons(s: dict) -> str:
     return ", ".join(f"{count} {reason}" for reason, count in (s.get("finish_reasons") or {}).items())
 
 
+TABLE_COLUMNS = ("server", "clients", "tok/s", "TTFT p50", "TTFT p95", "ms/token p50", "ms/token p95", "accept",
+                 "tok/fwd", "finished", "errors")
+# what fits 80 columns: the p95s, tokens per forward and finish reasons stay in the wide table and report.md;
+# errors come last, where a long list of their kinds can be cut (each level's line above gives them whole)
+NARROW_COLUMNS = ("server", "clients", "tok/s", "TTFT p50", "ms/token p50", "accept", "errors")
+
+
 def _row(s: dict) -> list[str]:
+    """A level's row of the table, in TABLE_COLUMNS order."""
     ms = lambda v: None if v is None else v * 1000  # noqa: E731
     return [
         s["server"], str(s["concurrency"]), format_or_dash(s["throughput_tokens_per_second"], "{:.2f}"),
