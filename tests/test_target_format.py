@@ -10,7 +10,7 @@ import torch
 
 from conftest import build_tiny_model
 from verispec import GenerationConfig, SpeculativeEngine
-from verispec.models import target_format
+from verispec.models import format_chooser, target_format
 from verispec.models.config import ModelConfig
 from verispec.models.linear import auto_candidates
 from verispec.models.loading import load_model, resolve_target_format
@@ -53,11 +53,13 @@ def test_auto_times_whole_forwards_of_every_format_and_remembers_the_fastest(own
     target = load_model(tiny_dir, "bfloat16", quantize="auto")
     (kind, kept), = target_choices().items()
     assert "| weights " in kind and "| kernels " in kind and "whole forwards" in kind
-    assert set(kept["seconds"]) == set(kept["one_row"]) == set(auto_candidates())  # every candidate that runs here
+    assert set(kept["screen"]) == set(auto_candidates())  # every candidate that runs here is screened ...
+    assert set(kept["seconds"]) == set(kept["one_row"]) and kept["seconds"]  # ... and the rest timed whole
+    assert set(kept["seconds"]) | set(kept["too_slow"]) == set(auto_candidates())
     assert kept["format"] == min(kept["seconds"], key=kept["seconds"].get) and kept["calibration"] > 0
     assert target.model.weight_format == kept["format"].partition("-")[0]
-    assert target.format.choice.seconds["none"] == kept["seconds"]["none"]
-    monkeypatch.setattr(target_format, "estimated_forward_seconds", lambda *a: pytest.fail("timed again"))
+    assert {c: target.format.choice.seconds[c] for c in kept["seconds"]} == kept["seconds"]
+    monkeypatch.setattr(format_chooser, "measure", lambda *a, **k: pytest.fail("timed again"))
     again = load_model(tiny_dir, "bfloat16", quantize="auto")  # remembered (and its check at load holds)
     assert again.format.choice == target.format.choice and target_choices() == {kind: kept}
     assert resolve_target_format(tiny_dir, "bfloat16") == target.format.choice  # what doctor reports
@@ -86,7 +88,7 @@ def test_exact_arithmetic_keeps_dense_and_times_nothing(own_cache, tiny_dir):
     assert target_choices() == {}
 
 
-def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tmp_path, monkeypatch):
+def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tmp_path):
     directory = build_tiny_model(tmp_path / "deep", seed=3, layers=8)
     config = ModelConfig.from_dir(directory)
     assert target_format.probe_layers(8) == 2 and target_format.probe_layers(2) == 2
@@ -94,21 +96,16 @@ def test_the_probe_holds_a_quarter_of_the_layers_and_the_estimate_scales_them(tm
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.mlp.up_proj.weight",
              "model.layers.2.mlp.up_proj.weight", "model.layers.10.mlp.up_proj.weight"]
     assert target_format.probe_tensor_names(names, config) == names[:4]
-    timed = []
-
-    def fake_costs(models, rows, context, rounds):  # a probe of 2 layers: 10 + n ms, its head alone: 4 + n ms
-        timed.append({name: len(model.layers) for name, model in models.items()})
-        return {name: {n: (4 + n + (6 if model.layers else 0)) / 1000 for n in rows} for name, model in models.items()}
-
-    monkeypatch.setattr(target_format, "forward_costs", fake_costs)
     from safetensors.torch import load_file
 
     dense = {name: tensor for name, tensor in load_file(directory / "model.safetensors").items()
              if name in target_format.probe_tensor_names(list(load_file(directory / "model.safetensors")), config)}
-    estimates = target_format.estimated_forward_seconds(config, dense, torch.bfloat16)
-    assert timed[0] == {name: (0 if name.endswith(" head") else 2) for name in timed[0]}
-    for by_rows in estimates.values():  # head + 8 / 2 * (probe - head) = (4 + n) + 4 * 6 ms
-        assert by_rows == pytest.approx({n: (28 + n) / 1000 for n in target_format.PROBE_ROWS})
+    subject = target_format.probe_subject(config, lambda: dense, torch.bfloat16)
+    assert {name: len(model.layers) for name, model in subject.build("none").items()} == {"probe": 2, "head": 0}
+    rows = target_format.PROBE_ROWS  # a probe of 2 layers: 10 + n ms, its head alone: 4 + n ms
+    costs = {"probe": {n: (10 + n) / 1000 for n in rows}, "head": {n: (4 + n) / 1000 for n in rows}}
+    # head + 8 / 2 * (probe - head) = (4 + n) + 4 * 6 ms
+    assert subject.estimate(costs) == pytest.approx({n: (28 + n) / 1000 for n in rows})
 
 
 def test_a_server_replaces_a_target_format_found_slow_while_serving_when_it_is_idle(own_cache, tiny_dir, slow_dense):

@@ -357,14 +357,16 @@ def milliseconds(seconds: Mapping[str, float]) -> str:
 
 
 def _remembered_label(kind: str, kept: dict) -> str:
-    """The format a remembered choice names: drafts keep "best", targets "format" and "activations", w4a8's
-    long passes "activations" alone."""
+    """The format a remembered choice names: targets and drafts keep "format" (older drafts "best"), with the
+    candidates found too slow to time; w4a8's long passes "activations" alone."""
     if "verify" in kept:  # step_costs: a step's parts timed before the first request, nothing chosen
         return "timed, no choice"
-    if "best" in kept:
-        return kept["best"] or "nothing ran"
-    if "format" in kept:
-        return FormatChoice(kept["format"], kept.get("activations", "s8")).label
+    if "best" in kept or "format" in kept:
+        named = kept.get("format", kept.get("best"))
+        if named is None:
+            return "nothing ran"
+        label = FormatChoice(named, kept.get("activations", "s8")).label
+        return label + (f" ({', '.join(kept['too_slow'])} too slow)" if kept.get("too_slow") else "")
     if kind.startswith("w4a8") and "activations" in kept:
         return FormatChoice("w4a8", kept["activations"]).label
     return "?"

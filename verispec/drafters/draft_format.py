@@ -1,13 +1,15 @@
-"""A draft model's weight format: chosen from whole timed forwards, and checked against what drafting costs.
+"""A draft model's weight format: chosen within a budget from whole timed forwards, and checked against what
+drafting costs.
 
 On a CPU the draft's cost per forward, not its accuracy, decides what speculation gains (any draft
 distribution is verified exactly), and one linear timed alone misjudges a whole forward: on a Zen 4 one
 MLP linear made w8a8-u8 look twice as fast as w4a8, while the whole draft forward cost 42.7 ms against
-15.3 ms. So `auto` quantizes copies of the loaded draft into every candidate format and times one-row
-forwards of all of them side by side (forward_costs), once per machine, torch version, kernel build and
-weights (remembered_choice). A remembered choice is checked against forwards timed later, at load and
-while drafting (FormatCheck): when the format in force costs MARGIN times another candidate's remembered
-cost, the choice is measured again and the draft is replaced.
+15.3 ms. So `auto` screens every candidate with a linear (dropping the hopeless, such as a reference path),
+quantizes copies of the loaded draft into the survivors' formats and times one-row forwards of them side by side
+within the draft's budget (format_chooser), once per machine, torch version, kernel build and weights
+(remembered_choice). A remembered choice is checked against forwards timed later, at load and while drafting
+(FormatCheck): when the format in force costs MARGIN times another candidate's remembered cost, the choice is
+measured again and the draft is replaced.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models import w4a8
+from verispec.models import format_chooser, w4a8
 from verispec.models.forward_cost import forward_costs
 from verispec.models.linear import FORMATS, FormatChoice, candidate_choice, w8a8_available
 from verispec.models.loading import LoadedModel, build_kernel, load_model
@@ -102,7 +104,7 @@ def quantize_draft(
     if quantize == "w8a8" and not candidates:
         raise ValueError(DRAFT_W8A8_UNAVAILABLE)
     if candidates:
-        choice = _timed_choice(draft, quantize, candidates, check=True)
+        choice = _timed_choice(draft, quantize, candidates, check=True, progress=progress)
     else:
         choice = candidate_choice("none" if quantize == "auto" else quantize, dtype)
         if choice.weight_format != "none":
@@ -133,38 +135,66 @@ def current_draft(model: Transformer) -> Transformer:
     return model
 
 
-def _timed_choice(draft: LoadedModel, quantize: str, candidates: tuple[str, ...], check: bool) -> FormatChoice:
-    """The fastest candidate by whole one-row forwards, remembered; `draft` is put in it."""
-    timed: dict[str, Transformer] = {}
+def _timed_choice(draft: LoadedModel, quantize: str, candidates: tuple[str, ...], check: bool,
+                  progress: bool = False) -> FormatChoice:
+    """The fastest candidate by whole one-row forwards within the draft's budget (format_chooser), remembered;
+    `draft` is put in it."""
     everything = candidates + (("none",) if quantize == "auto" else ())
     dtype_name = str(draft.model.dtype).removeprefix("torch.")
     kind = (f"draft {quantize} {dtype_name} among {','.join(everything)} | weights {weights_identity(draft.directory)}"
-            f" | kernels {w4a8.build_digest()}")
+            f" | kernels {w4a8.build_digest()} | screened, whole forwards within"
+            f" {format_chooser.BUDGETS['draft']:.0f} s")
+    built: dict[str, Transformer] = {}
 
     def measure() -> dict:
-        timed.update(_copies_in_formats(draft.model, everything))
-        if not timed:
-            return {"best": None, "seconds": {}}
-        seconds = {name: costs[1] for name, costs in forward_costs(timed, rows=(1,)).items()}
-        return {"best": min(seconds, key=seconds.get), "seconds": seconds}
+        on_progress, close = format_chooser.progress_line(progress, f"choosing {draft.name}'s format")
+        try:
+            return format_chooser.measure(_draft_subject(draft.model, built), everything,
+                                          format_chooser.BUDGETS["draft"], on_progress=on_progress)
+        finally:
+            close()
 
     kept = remembered_choice(kind, measure)
-    if kept["best"] is None:
+    if kept["format"] is None:
         raise ValueError(DRAFT_W8A8_UNAVAILABLE)
-    choice = candidate_choice(kept["best"], draft.model.dtype, kept["seconds"])
-    if timed:
-        draft.model = timed[kept["best"]]
+    choice = candidate_choice(kept["format"], draft.model.dtype, kept["one_row"])
+    timed_now = bool(built)
+    if kept["format"] in built:
+        draft.model = built[kept["format"]]
     elif choice.weight_format != "none":
         draft.model.quantize(choice.weight_format, choice.activations)
-    draft.model.format_check = FormatCheck(kind, kept["best"], kept["seconds"], draft.directory, quantize, candidates)
-    if check and not timed:  # remembered: does it still hold?
+    built.clear()  # the other copies go
+    draft.model.format_check = FormatCheck(kind, kept["format"], kept["one_row"], draft.directory, quantize,
+                                           candidates)
+    if check and not timed_now:  # remembered: does it still hold?
         seconds = forward_costs({"chosen": draft.model}, rows=(1,), rounds=CHECK_ROUNDS)["chosen"][1]
         if draft.model.format_check.faster_candidate(seconds) is not None:
             forget_choice(kind)
             draft.model = load_model(draft.directory, draft.model.dtype).model
             draft.model.invariant_attention = False
-            return _timed_choice(draft, quantize, candidates, check=False)
+            return _timed_choice(draft, quantize, candidates, check=False, progress=progress)
     return choice
+
+
+DRAFT_CONTEXT = 128  # tokens of prompt before the draft's timed forwards
+DRAFT_ROUNDS = 7
+
+
+def _draft_subject(dense: Transformer, built: dict[str, Transformer]) -> format_chooser.Subject:
+    """What choosing a draft's format times: one-row forwards of the whole draft in each candidate format (a copy
+    of the dense model quantized, kept in `built`; "none" is the dense model itself), screened by a linear of its
+    MLP shape."""
+
+    def build(candidate: str) -> dict[str, Transformer] | None:
+        copies = _copies_in_formats(dense, (candidate,))
+        built.update(copies)
+        return {"draft": copies[candidate]} if candidate in copies else None
+
+    def screen(candidate: str):
+        return format_chooser.linear_screen(candidate, dense.dtype, dense.config.hidden_size,
+                                            dense.config.intermediate_size)
+
+    return format_chooser.Subject(screen, build, rows=(1,), context=DRAFT_CONTEXT, rounds=DRAFT_ROUNDS, warmup=2)
 
 
 def _copies_in_formats(dense: Transformer, candidates: tuple[str, ...]) -> dict[str, Transformer]:

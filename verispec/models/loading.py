@@ -337,7 +337,7 @@ def load_model(
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     whole_forwards = _times_whole_forwards(quantize, torch_dtype, dtype_asked=dtype != "auto")
     if whole_forwards:
-        kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype)
+        kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype, progress)
     else:
         choice = choose_format(quantize, torch_dtype, dtype_asked=dtype != "auto")
     started = time.perf_counter()
@@ -348,7 +348,7 @@ def load_model(
             # Another format's remembered estimate is MARGIN below what the loaded one costs: time them again.
             target_format.forget(directory, torch_dtype)
             loaded_format = kept["format"]
-            kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype)
+            kept, timed_now, choice = _whole_forward_choice(directory, config, torch_dtype, progress)
             if kept["format"] != loaded_format:
                 del model
                 model = _build(name, directory, config, torch_dtype, choice, progress)
@@ -368,7 +368,7 @@ def resolve_target_format(spec: str | Path, dtype: str | torch.dtype = "auto", p
     if not _times_whole_forwards("auto", torch_dtype, dtype_asked=dtype != "auto"):
         return choose_format("auto", torch_dtype, dtype_asked=dtype != "auto")
     _, directory, _ = resolve_model(spec, progress)
-    return _whole_forward_choice(directory, ModelConfig.from_dir(directory), torch_dtype)[2]
+    return _whole_forward_choice(directory, ModelConfig.from_dir(directory), torch_dtype, progress)[2]
 
 
 def _times_whole_forwards(quantize: str, dtype: torch.dtype, dtype_asked: bool) -> bool:
@@ -376,14 +376,16 @@ def _times_whole_forwards(quantize: str, dtype: torch.dtype, dtype_asked: bool) 
     return quantize == "auto" and not auto_keeps_dense(dtype, dtype_asked)
 
 
-def _whole_forward_choice(directory: Path, config: ModelConfig, dtype: torch.dtype) -> tuple[dict, bool, FormatChoice]:
+def _whole_forward_choice(
+    directory: Path, config: ModelConfig, dtype: torch.dtype, progress: bool = False
+) -> tuple[dict, bool, FormatChoice]:
     """target_format.choose's (remembered choice, timed just now) for these weights, and the choice's FormatChoice."""
 
     def read_probe() -> dict[str, torch.Tensor]:
         weights = SafetensorsWeights(directory)
         return {name: weights.pop(name) for name in target_format.probe_tensor_names(weights.names(), config)}
 
-    kept, timed_now = target_format.choose(directory, config, dtype, read_probe)
+    kept, timed_now = target_format.choose(directory, config, dtype, read_probe, progress)
     return kept, timed_now, candidate_choice(kept["format"], dtype, kept["seconds"])
 
 

@@ -1,20 +1,21 @@
-"""A target's `auto` weight format, chosen from whole forwards timed at the widths a step runs.
+"""A target's `auto` weight format, chosen within a budget from whole forwards at the widths a step runs.
 
 One linear timed alone misjudges a model: it misses the attention, the norms, the output head and the memory
 traffic of the rest of the forward (on a Zen 4 one MLP linear ranked a draft's formats the wrong way round,
-w8a8-u8 at half w4a8's cost where the whole forward cost 2.8 times as much). A whole target in every candidate
-format would cost each first load a full quantization per format, so `auto` times a probe of the model itself:
-its first PROBE_SHARE of decoder layers with their real weights, the embedding and the output head, and beside
-it the same head with no layers, in every candidate format, side by side (forward_costs), at PROBE_ROWS new
-tokens (a plain step and verify passes). A whole forward of n tokens is estimated as
+w8a8-u8 at half w4a8's cost where the whole forward cost 2.8 times as much). A linear only screens out the
+hopeless (format_chooser: a reference path costs a hundred times the best there). A whole target in every
+candidate format would cost each first load a full quantization per format, so the survivors are timed as a
+probe of the model itself: its first PROBE_SHARE of decoder layers with their real weights, the embedding and the
+output head, and beside it the same head with no layers, at PROBE_ROWS new tokens (a plain step and verify
+passes). A whole forward of n tokens is estimated as
 
     head(n) + (layers / probed layers) * (probe(n) - head(n))
 
-and the candidate whose estimates, summed over PROBE_ROWS, are least is chosen. The choice is remembered per
-machine, weights and kernel build (remembered_choice), with the ratio of the loaded model's measured one-row forward
-to its estimate (calibrate), and checked whenever the model loads (slower_than_another) and while a server runs it
-(ServingCheck): where the loaded model's one-row forward costs MARGIN times another candidate's calibrated estimate,
-the formats are timed again.
+and format_chooser.pick takes the least estimate summed over PROBE_ROWS. The choice is remembered per machine,
+weights and kernel build (remembered_choice), with the ratio of the loaded model's measured one-row forward to its
+estimate (calibrate), and checked whenever the model loads (slower_than_another) and while a server runs it
+(ServingCheck): where the loaded model's one-row forward costs MARGIN times another candidate's calibrated
+estimate, the formats are timed again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from verispec.models import w4a8
+from verispec.models import format_chooser, w4a8
 from verispec.models.config import ModelConfig
 from verispec.models.forward_cost import forward_costs
 from verispec.models.linear import auto_candidates, candidate_choice, w4a8_long_pass_kinds
@@ -60,25 +61,31 @@ def choice_kind(directory, dtype: torch.dtype) -> str:
     """The remembered choice's kind for a target's weights in `dtype` (remembered_choice adds the machine)."""
     return (f"target auto {str(dtype).removeprefix('torch.')} among {','.join(auto_candidates())}"
             f"; w4a8 long passes among {','.join(w4a8_long_pass_kinds())} | weights {weights_identity(directory)}"
-            f" | kernels {w4a8.build_digest()} | whole forwards")
+            f" | kernels {w4a8.build_digest()} | screened, whole forwards within {format_chooser.BUDGETS['target']:.0f} s")
 
 
-def choose(directory, config: ModelConfig, dtype: torch.dtype, read_probe: Callable[[], dict]) -> tuple[dict, bool]:
-    """(the remembered whole-forward choice for the target in `directory`, whether it was timed just now).
+def choose(directory, config: ModelConfig, dtype: torch.dtype, read_probe: Callable[[], dict],
+           progress: bool = False) -> tuple[dict, bool]:
+    """(the remembered choice for the target in `directory`, whether it was timed just now).
 
-    The choice: {"format": a candidate of auto_candidates, "seconds": candidate -> estimated seconds of whole
-    forwards summed over PROBE_ROWS, "one_row": candidate -> estimated seconds of a one-row forward}.
-    read_probe() returns the probe's dense tensors (name -> tensor, see probe_tensor_names); it is called only
-    when the formats are timed.
+    The choice is format_chooser.measure's record over the probe: {"format": a candidate of auto_candidates,
+    "seconds": candidate -> estimated seconds of whole forwards summed over PROBE_ROWS, "one_row": candidate ->
+    estimated seconds of a one-row forward, "screen", "too_slow", "choosing_seconds"}. read_probe() returns the
+    probe's dense tensors (name -> tensor, see probe_tensor_names); it is called only when the formats are timed,
+    and only if a candidate survives its screen.
     """
     timed_now = []
 
     def measure() -> dict:
-        estimates = estimated_forward_seconds(config, read_probe(), dtype)
-        seconds = {candidate: sum(by_rows.values()) for candidate, by_rows in estimates.items()}
+        on_progress, close = format_chooser.progress_line(progress, f"choosing {Path(directory).name}'s format")
+        try:
+            record = format_chooser.measure(
+                probe_subject(config, read_probe, dtype), auto_candidates(), format_chooser.BUDGETS["target"],
+                on_progress=on_progress)
+        finally:
+            close()
         timed_now.append(True)
-        return {"format": min(seconds, key=seconds.get), "seconds": seconds,
-                "one_row": {candidate: by_rows[1] for candidate, by_rows in estimates.items()}}
+        return record
 
     return remembered_choice(choice_kind(directory, dtype), measure), bool(timed_now)
 
@@ -139,27 +146,30 @@ def forget(directory, dtype: torch.dtype) -> None:
     forget_choice(choice_kind(directory, dtype))
 
 
-def estimated_forward_seconds(config: ModelConfig, dense: dict, dtype: torch.dtype) -> dict[str, dict[int, float]]:
-    """candidate -> {n: estimated seconds of a whole forward of the model over n new tokens} for n in PROBE_ROWS.
-
-    dense: the probe's tensors; candidates that cannot run here are left out.
-    """
+def probe_subject(config: ModelConfig, read_probe: Callable[[], dict], dtype: torch.dtype) -> format_chooser.Subject:
+    """What choosing a target's format times: each candidate's probe (its first probe_layers() layers, embedding
+    and head) beside the same head with no layers, at PROBE_ROWS new tokens; a whole forward of n tokens is
+    estimated as head(n) + (layers / probed layers) * (probe(n) - head(n)). The screen is a linear of the model's
+    MLP shape."""
     probed = probe_layers(config.num_layers)
     probe_config = dataclasses.replace(config, num_layers=probed)
-    models: dict[str, Transformer] = {}
-    for candidate in auto_candidates():
+    dense: dict = {}
+
+    def build(candidate: str) -> dict[str, Transformer]:
+        if not dense:
+            dense.update(read_probe())
         choice = candidate_choice(candidate, dtype)
-        try:
-            probe = Transformer(probe_config, dict(dense), dtype, choice.weight_format, choice.activations)
-        except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
-            continue
+        probe = Transformer(probe_config, dict(dense), dtype, choice.weight_format, choice.activations)
         head_only = copy.copy(probe)  # the same embedding and head (shared tensors), no decoder layers
         head_only.layers = []
-        models[candidate], models[f"{candidate} head"] = probe, head_only
-    costs = forward_costs(models, PROBE_ROWS, PROBE_CONTEXT, rounds=PROBE_ROUNDS)
-    scale = config.num_layers / probed
-    estimates = {}
-    for candidate in (name for name in models if not name.endswith(" head")):
-        probe, head = costs[candidate], costs[f"{candidate} head"]
-        estimates[candidate] = {n: head[n] + scale * max(0.0, probe[n] - head[n]) for n in PROBE_ROWS}
-    return estimates
+        return {"probe": probe, "head": head_only}
+
+    def estimate(costs: dict[str, dict[int, float]]) -> dict[int, float]:
+        probe, head = costs["probe"], costs["head"]
+        return {n: head[n] + config.num_layers / probed * max(0.0, probe[n] - head[n]) for n in PROBE_ROWS}
+
+    def screen(candidate: str):
+        return format_chooser.linear_screen(candidate, dtype, config.hidden_size, config.intermediate_size)
+
+    return format_chooser.Subject(screen, build, estimate, rows=PROBE_ROWS, context=PROBE_CONTEXT,
+                                  rounds=PROBE_ROUNDS, warmup=1)
