@@ -152,7 +152,8 @@ def measure(subject: Subject, candidates: Sequence[str], budget: float,
 
     Returns the record remembered for the choice: {"format": the pick, "seconds": candidate -> whole-forward
     seconds summed over subject.rows (those timed at every width), "one_row": candidate -> one-row seconds (where
-    timed), "screen": candidate -> screen seconds, "too_slow": candidate -> why, "choosing_seconds": spent}.
+    timed), "whole": candidate -> {str(width): seconds}, "screen": candidate -> screen seconds, "too_slow":
+    candidate -> why, "choosing_seconds": spent}.
     """
     state = Choosing(budget, clock, on_progress)
     slow = _slow_format_hook()
@@ -176,6 +177,7 @@ def measure(subject: Subject, candidates: Sequence[str], budget: float,
         "format": pick(seconds, state.screen),
         "seconds": seconds,
         "one_row": {c: by_width[min(subject.rows)] for c, by_width in estimates.items()},
+        "whole": {c: {str(n): s for n, s in by_width.items()} for c, by_width in estimates.items()},
         "screen": state.screen,
         "too_slow": state.too_slow,
         "choosing_seconds": round(clock() - state.started, 3),
