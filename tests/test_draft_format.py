@@ -10,6 +10,7 @@ import pytest
 from verispec import GenerationConfig, SpeculativeEngine
 from verispec.drafters import DraftModelDrafter, quantize_draft
 from verispec.drafters import draft_format
+from verispec.models import format_chooser
 from verispec.models.loading import load_model
 from verispec.models.machine import FORMAT_CHOICES_FILE, cache_root, remembered_choices
 from verispec.models.transformer import Transformer
@@ -95,8 +96,8 @@ def test_a_slow_format_found_while_drafting_is_replaced_and_output_stays_plain(o
     check = draft.model.format_check
     dense.model.invariant_attention = False
     dense.model.format_check = draft_format.FormatCheck(
-        check.kind, "none", {**check.remembered, "none": 1e-6}, check.directory, check.quantize, check.candidates
-    )
+        "none", {**check.one_row, "none": 1e-6}, kind=check.kind, directory=check.directory, quantize=check.quantize,
+        candidates=check.candidates)
     drafter = DraftModelDrafter(dense.model, target.model.vocab_size)
     engine = SpeculativeEngine(target, drafter)
     config = GenerationConfig(max_new_tokens=48, k=2)
@@ -116,8 +117,8 @@ def test_the_server_replaces_a_slow_draft_format_between_steps(own_cache, tiny_d
     check = draft.model.format_check
     dense.model.invariant_attention = False
     dense.model.format_check = draft_format.FormatCheck(
-        check.kind, "none", {**check.remembered, "none": 1e-6}, check.directory, check.quantize, check.candidates
-    )
+        "none", {**check.one_row, "none": 1e-6}, kind=check.kind, directory=check.directory, quantize=check.quantize,
+        candidates=check.candidates)
     scheduler = Scheduler(target, dense.model, "draft-model", k=2, limits=SchedulerLimits(4, 8, 256))
     prompt = "def add(a, b):"
     handle = scheduler.submit(target.encode(prompt), GenerationConfig(max_new_tokens=96))
@@ -139,12 +140,12 @@ def test_explicit_formats_are_taken_as_asked(own_cache, tiny_dir):
 
 
 def test_the_check_compares_with_the_best_other_format_by_the_margin():
-    check = draft_format.FormatCheck("k", "w4a8", {"w4a8": 0.02, "none": 0.1, "int4": 0.05}, None, "auto", ())
-    assert check.faster_candidate(0.05 * draft_format.MARGIN * 0.99) is None
-    assert check.faster_candidate(0.05 * draft_format.MARGIN * 1.01) == "int4"
-    for _ in range(draft_format.WINDOW - 1):
+    check = draft_format.FormatCheck("w4a8", {"w4a8": 0.02, "none": 0.1, "int4": 0.05}, kind="k")
+    assert check.faster_candidate(0.05 * format_chooser.MARGIN * 0.99) is None
+    assert check.faster_candidate(0.05 * format_chooser.MARGIN * 1.01) == "int4"
+    for _ in range(format_chooser.WINDOW - 1):
         assert not check.observe(1.0)  # not before a whole window
     assert check.observe(1.0)
-    alone = draft_format.FormatCheck("k", "w4a8", {"w4a8": 0.02}, None, "auto", ())
+    alone = draft_format.FormatCheck("w4a8", {"w4a8": 0.02}, kind="k")
     assert alone.faster_candidate(10.0) is None  # nothing to compare with
 

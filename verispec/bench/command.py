@@ -152,7 +152,7 @@ def made_choices(targets: list, modes: list) -> dict:
         for part in getattr(drafter, "drafters", [drafter]):
             check = getattr(getattr(part, "model", None), "format_check", None)
             if check is not None:
-                drafts[check.chosen] = check.remembered
+                drafts[check.chosen] = dict(check.one_row)
     return {
         "targets": [t.format.as_dict() for t in targets],
         "draft_formats": drafts,

@@ -14,10 +14,8 @@ measured again and the draft is replaced.
 
 from __future__ import annotations
 
-import collections
 import copy
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,8 +32,6 @@ DRAFT_W8A8_UNAVAILABLE = (
     "--draft-quantize w8a8: oneDNN's int8 kernels do not run here, or their sums are not exact (no VNNI or AMX); "
     "use int4, w4a8 or none"
 )
-MARGIN = 1.5  # the format in force may cost this many times another candidate's remembered cost before it is re-timed
-WINDOW = 16  # one-row draft forwards, timed while drafting, whose median is checked
 CHECK_ROUNDS = 5  # one-row forwards timed at load to check a remembered choice (after 2 warm-up ones)
 
 
@@ -56,33 +52,16 @@ def draft_candidates(quantize: str, dtype: torch.dtype, dtype_asked: bool = True
 
 
 @dataclass
-class FormatCheck:
-    """The remembered draft format in force and what checking it takes; quantize_draft sets one on the draft's
-    Transformer as `format_check`, and the scheduler feeds it the one-row draft forwards it times."""
+class FormatCheck(format_chooser.CostCheck):
+    """The remembered draft format in force (a CostCheck over its one-row forwards) and what replacing it takes;
+    quantize_draft sets one on the draft's Transformer as `format_check`, and the scheduler feeds it the one-row
+    draft forwards it times (a True from observe: `replace_format`)."""
 
-    kind: str  # the remembered choice's kind
-    chosen: str  # the candidate in force, e.g. "w4a8" or "w8a8-u8"
-    remembered: dict[str, float]  # candidate -> seconds of one one-row forward, when the choice was made
-    directory: Path  # the draft's weights, to load it dense again
-    quantize: str
-    candidates: tuple[str, ...]
-    observed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    kind: str = ""  # the remembered choice's kind
+    directory: Path | None = None  # the draft's weights, to load it dense again
+    quantize: str = "auto"
+    candidates: tuple[str, ...] = ()
     replaced_by: Transformer | None = None  # the draft in the format timed again (replace_format)
-
-    def faster_candidate(self, seconds: float) -> str | None:
-        """The remembered candidate that costs less than 1 / MARGIN of `seconds` (a forward in the format in
-        force), if any."""
-        others = {name: cost for name, cost in self.remembered.items() if name != self.chosen}
-        if not others:
-            return None
-        best = min(others, key=others.get)
-        return best if seconds > MARGIN * others[best] else None
-
-    def observe(self, seconds: float) -> bool:
-        """One one-row draft forward timed while drafting: True when the median of the last WINDOW ones says
-        another candidate is MARGIN faster (then `replace_format`)."""
-        self.observed.append(seconds)
-        return len(self.observed) == WINDOW and self.faster_candidate(statistics.median(self.observed)) is not None
 
 
 def quantize_draft(
@@ -164,8 +143,8 @@ def _timed_choice(draft: LoadedModel, quantize: str, candidates: tuple[str, ...]
     elif choice.weight_format != "none":
         draft.model.quantize(choice.weight_format, choice.activations)
     built.clear()  # the other copies go
-    draft.model.format_check = FormatCheck(kind, kept["format"], kept["one_row"], draft.directory, quantize,
-                                           candidates)
+    draft.model.format_check = FormatCheck(kept["format"], kept["one_row"], kind=kind, directory=draft.directory,
+                                           quantize=quantize, candidates=candidates)
     if check and not timed_now:  # remembered: does it still hold?
         seconds = forward_costs({"chosen": draft.model}, rows=(1,), rounds=CHECK_ROUNDS)["chosen"][1]
         if draft.model.format_check.faster_candidate(seconds) is not None:

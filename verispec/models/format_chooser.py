@@ -22,6 +22,7 @@ benchmarks show fastest.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
@@ -44,6 +45,8 @@ SHORT_SCREEN = 0.05  # seconds: a screen call longer than this is timed once
 # "candidate=seconds": each screen call and whole forward of that candidate sleeps so long first (a test hook: a
 # candidate as slow as a reference path)
 SLOW_FORMAT_ENV = "VERISPEC_SLOW_FORMAT"
+MARGIN = 1.5  # the format in force may cost this many times another candidate's remembered cost before re-choosing
+WINDOW = 16  # one-row forwards timed while serving or drafting whose median is checked
 
 
 class Forwarding(Protocol):
@@ -321,6 +324,36 @@ class _Slowed:
     def forward(self, input_ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         time.sleep(self.seconds)
         return self.model.forward(input_ids, cache, last_only=last_only)
+
+
+# -- the choice in force, checked against what its forwards cost later ---------------------------------------
+
+
+@dataclass
+class CostCheck:
+    """A remembered choice in force, checked against one-row forwards of the loaded model timed later: at load, and
+    while a server or an engine runs it (the median of the last WINDOW). Targets and drafts alike: where the format
+    in force costs MARGIN times another candidate's remembered one-row cost, that candidate is faster here."""
+
+    chosen: str  # the candidate in force, e.g. "w4a8" or "w8a8-u8"
+    one_row: Mapping[str, float]  # candidate -> remembered seconds of one one-row forward (where timed)
+    calibration: float = 1.0  # the loaded model's measured one-row forward over its remembered estimate (a probe's)
+    observed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+
+    def faster_candidate(self, seconds: float) -> str | None:
+        """The remembered candidate that a forward of `seconds` in the format in force costs MARGIN times (scaled
+        by the calibration), if any."""
+        others = {name: cost for name, cost in self.one_row.items() if name != self.chosen}
+        if not others:
+            return None
+        best = min(others, key=others.get)
+        return best if seconds > MARGIN * self.calibration * others[best] else None
+
+    def observe(self, seconds: float) -> bool:
+        """One one-row forward timed while running: True when the median of the last WINDOW ones says another
+        candidate is faster."""
+        self.observed.append(seconds)
+        return len(self.observed) == WINDOW and self.faster_candidate(statistics.median(self.observed)) is not None
 
 
 # -- the screen: a few linears of the model's MLP shape --------------------------------------------------------

@@ -14,16 +14,14 @@ passes). A whole forward of n tokens is estimated as
 and format_chooser.pick takes the least estimate summed over PROBE_ROWS. The choice is remembered per machine,
 weights and kernel build (remembered_choice), with the ratio of the loaded model's measured one-row forward to its
 estimate (calibrate), and checked whenever the model loads (slower_than_another) and while a server runs it
-(ServingCheck): where the loaded model's one-row forward costs MARGIN times another candidate's calibrated
-estimate, the formats are timed again.
+(ServingCheck), by format_chooser.CostCheck: where the loaded model's one-row forward costs MARGIN times another
+candidate's calibrated estimate, the formats are timed again.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
-import statistics
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -42,8 +40,6 @@ PROBE_ROWS = (1, 2, 4, 8)  # a plain step, verify passes of 1, 3 and 7 drafts
 PROBE_CONTEXT = 32  # tokens of prompt in the cache before each timed forward
 PROBE_ROUNDS = 5
 CHECK_ROUNDS = 3  # one-row forwards of the loaded model, after one warm-up, that check a remembered choice
-MARGIN = 1.5  # the format in force may cost this many times another candidate's estimate before it is timed again
-WINDOW = 16  # plain one-token forwards, timed while serving, whose median is checked
 
 
 def probe_layers(num_layers: int) -> int:
@@ -105,15 +101,15 @@ def one_row_seconds(model: Transformer, rounds: int = CHECK_ROUNDS) -> float:
     return forward_costs({"loaded": model}, (1,), PROBE_CONTEXT, rounds, warmup=1)["loaded"][1]
 
 
+def cost_check(kept: dict) -> format_chooser.CostCheck:
+    """The check of a remembered target choice: its one-row estimates, scaled by its calibration."""
+    return format_chooser.CostCheck(kept["format"], kept.get("one_row", {}), kept.get("calibration", 1.0))
+
+
 def slower_than_another(kept: dict, one_row: float) -> bool:
     """Whether a one-row forward of kept's format that took `one_row` seconds costs MARGIN times another
     candidate's remembered estimate (scaled by the calibration)."""
-    others = _others(kept)
-    return bool(others) and one_row > MARGIN * kept.get("calibration", 1.0) * min(others.values())
-
-
-def _others(kept: dict) -> dict[str, float]:
-    return {name: seconds for name, seconds in kept.get("one_row", {}).items() if name != kept["format"]}
+    return cost_check(kept).faster_candidate(one_row) is not None
 
 
 @dataclasses.dataclass
@@ -124,17 +120,17 @@ class ServingCheck:
     kept: dict  # the remembered choice in force (see choose)
     directory: Path  # the target's weights, to time them and load them again
     dtype: torch.dtype
-    observed: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     stale: bool = False  # found slow: the remembered choice is forgotten and the target should be loaded again
+    check: format_chooser.CostCheck = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.check = cost_check(self.kept)
 
     def observe(self, seconds: float) -> bool:
         """One plain one-token forward of the target: True (once) when the median of the last WINDOW ones costs
         MARGIN times another candidate's estimate; the remembered choice is then forgotten, so that the next
         load times the formats again."""
-        if self.stale:
-            return False
-        self.observed.append(seconds)
-        if len(self.observed) < WINDOW or not slower_than_another(self.kept, statistics.median(self.observed)):
+        if self.stale or not self.check.observe(seconds):
             return False
         self.stale = True
         forget(self.directory, self.dtype)
