@@ -42,6 +42,7 @@ PREFILL_FORWARDS = 2  # what the short prompt's prefill costs, in forwards of a 
 SCREEN_COPIES = 2  # linears called in turn by a screen: weights from memory, as a forward's come
 SCREEN_REPEATS = 3  # timed screen calls (after one warm-up), where each is short
 SHORT_SCREEN = 0.05  # seconds: a screen call longer than this is timed once
+HOPELESS_SCREEN = 1.0  # seconds: a warm-up screen call longer than this stands for the screen (a reference path's: 0.6)
 # "candidate=seconds": each screen call and whole forward of that candidate sleeps so long first (a test hook: a
 # candidate as slow as a reference path)
 SLOW_FORMAT_ENV = "VERISPEC_SLOW_FORMAT"
@@ -188,10 +189,14 @@ def measure(subject: Subject, candidates: Sequence[str], budget: float,
 
 
 def _time_screen(call: Callable[[], object], clock: Callable[[], float]) -> float | None:
-    """Least seconds of the screen call after one warm-up call (one timed call where it is long); None where it
-    fails to run here."""
+    """Least seconds of the screen call after one warm-up call (one timed call where it is long; the warm-up call's
+    own seconds where it took HOPELESS_SCREEN); None where it fails to run here."""
     try:
+        started = clock()
         call()  # warm-up: first calls allocate and pick kernels
+        warmup = clock() - started
+        if warmup > HOPELESS_SCREEN:  # no kernel choice takes this long: it is that slow
+            return warmup
         times = []
         for _ in range(SCREEN_REPEATS):
             started = clock()
