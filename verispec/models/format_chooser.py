@@ -15,8 +15,10 @@ one one-row forward of the target in w8a8-s8 (w4a8: 0.03 s); timing every candid
 4. **Pick** (a pure function of what was measured): the least whole-forward seconds among the candidates timed at
    every width; the whole-forward estimate stays the judge among the survivors.
 
-A test replays every machine kind's recorded costs through steps 1-4 with a clock that only counts
-(benchmarks/results/<kind>/format-costs.json): each choice ends within its budget and picks what that kind's
+A forward in flight is not interrupted: the screen and the predictions are the guard, so a candidate whose screen
+misjudges its whole forward past SCREEN_DROP costs at most its prefill and one forward before it stops. A test
+replays every machine kind's recorded costs through steps 1-4 with a clock that only counts
+(benchmarks/results/<kind>/format-costs*.json): each choice ends within its budget and picks what that kind's
 benchmarks show fastest.
 """
 
@@ -27,10 +29,11 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from verispec.models.forward_cost import Forwarding, _prompted_cache, _token_ids
 from verispec.models.linear import Linear
 
 SCREEN_DROP = 8.0  # a screen this many times the best one's drops a candidate (one linear misjudges up to ~5x)
@@ -48,16 +51,6 @@ HOPELESS_SCREEN = 1.0  # seconds: a warm-up screen call longer than this stands 
 SLOW_FORMAT_ENV = "VERISPEC_SLOW_FORMAT"
 MARGIN = 1.5  # the format in force may cost this many times another candidate's remembered cost before re-choosing
 WINDOW = 16  # one-row forwards timed while serving or drafting whose median is checked
-
-
-class Forwarding(Protocol):
-    """What the chooser times whole: a Transformer, or anything that makes a cache and runs forwards over it."""
-
-    vocab_size: int
-
-    def new_cache(self, batch_size: int, capacity: int): ...
-
-    def forward(self, input_ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor: ...
 
 
 @dataclass
@@ -282,19 +275,6 @@ def _drop_the_slow(alive: list[str], width: int, warm: bool, state: Choosing) ->
 def _complete(by_model: Mapping[str, Mapping[int, list[float]]]) -> bool:
     """Whether every model of a candidate was timed at every width at least once."""
     return all(all(widths.values()) for widths in by_model.values())
-
-
-def _prompted_cache(model: Forwarding, context: int, most_rows: int):
-    """A one-row cache holding a `context`-token prompt, with room for `most_rows` more."""
-    cache = model.new_cache(1, context + most_rows)
-    model.forward(_token_ids(context, model.vocab_size, 1000), cache, last_only=True)
-    cache.commit(context)
-    return cache
-
-
-def _token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
-    """(1, count) token ids every vocabulary holds: what they say does not change a cost."""
-    return ((torch.arange(count) + offset) % vocab_size)[None]
 
 
 def _slow_format_hook() -> dict[str, float]:
