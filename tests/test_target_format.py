@@ -141,3 +141,10 @@ def test_the_check_compares_with_the_best_other_estimate_by_the_margin_after_cal
     assert not target_format.slower_than_another(kept | {"calibration": 2.0}, 0.059)  # estimates ran 2x low here
     assert target_format.slower_than_another(kept | {"calibration": 2.0}, 0.061)
     assert not target_format.slower_than_another({"format": "none", "one_row": {"none": 0.01}}, 1.0)  # nothing else
+
+
+def test_a_choice_made_on_screens_alone_calibrates_as_one(own_cache, tiny_dir):
+    """Where the budget ended before any whole forward was timed, the pick has no estimate to calibrate against."""
+    kept = {"format": "w4a8", "seconds": {}, "one_row": {}, "screen": {"w4a8": 1e-4, "none": 3e-4}}
+    calibrated = target_format.calibrate(kept, 0.01, tiny_dir, torch.bfloat16)
+    assert calibrated["calibration"] == 1.0 and not target_format.slower_than_another(calibrated, 1.0)

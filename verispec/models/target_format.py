@@ -91,7 +91,8 @@ def calibrate(kept: dict, one_row: float, directory, dtype: torch.dtype) -> dict
     (one_row_seconds), over the probe's estimate of it. The probe's few layers may stay in cache where a whole
     model's do not; the checks scale every estimate by this ratio, so that such a bias in the estimates does not
     make a choice look stale at every load."""
-    calibrated = kept | {"calibration": one_row / kept["one_row"][kept["format"]]}
+    estimate = kept["one_row"].get(kept["format"])  # none where the budget ended before any forward was timed
+    calibrated = kept | {"calibration": one_row / estimate if estimate else 1.0}
     forget(directory, dtype)
     return remembered_choice(choice_kind(directory, dtype), lambda: calibrated)
 
