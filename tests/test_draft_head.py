@@ -353,3 +353,40 @@ def test_the_bench_says_a_head_drafts(target, tmp_path):
     assert drafter_label(make_drafter("composite", target, path)) == (
         f"suffix index, then draft head ({target.model.vocab_size} tokens)"
     )
+
+
+def test_a_shipped_head_drafts_by_default_is_replaced_when_shipped_again_and_refused_when_damaged(
+        target, tmp_path, own_cache, monkeypatch):
+    """verispec ships a head per catalog target (verispec/data/heads, sha256 in heads.json): `--draft head` and a
+    catalog target's default find it, a head `make head` built here goes first, shipping again replaces the file,
+    and a file whose bytes changed is refused with what to do."""
+    from verispec.drafters import HEAD_DRAFT, draft_head, pairing
+    from verispec.models.catalog import DEFAULT_TARGET
+
+    monkeypatch.setattr(draft_head, "SHIPPED_HEADS", tmp_path / "shipped")
+    (tmp_path / "shipped").mkdir()
+    assert draft_head.head_path(target.name) == draft_head.built_head_path(target.name)  # nothing shipped
+    assert pairing.default_draft(DEFAULT_TARGET) != HEAD_DRAFT
+    first = tmp_path / "shipped" / "first.safetensors"
+    save_head(trainable_head(target, seed=13), first, target.name)
+    draft_head.ship_head(first, target.name, {"test": True})
+    assert draft_head.head_path(target.name) == first
+    engine = SpeculativeEngine(target, make_drafter("draft-model", target, HEAD_DRAFT))
+    results = [engine.generate(p, GenerationConfig(max_new_tokens=24, k=2)) for p in PROMPTS]
+    assert [r.token_ids for r in results] == plain_tokens(target) and sum(r.stats.drafted_tokens for r in results)
+    second = tmp_path / "shipped" / "second.safetensors"
+    save_head(trainable_head(target, seed=14), second, target.name)
+    draft_head.ship_head(second, target.name, {"test": True})
+    assert draft_head.head_path(target.name) == second and not first.exists()  # replaced, not added beside it
+    damaged = bytearray(second.read_bytes())
+    damaged[-1] ^= 1
+    second.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        make_drafter("draft-model", target, HEAD_DRAFT)
+    built = draft_head.built_head_path(target.name)
+    built.parent.mkdir(parents=True)
+    save_head(trainable_head(target, seed=15), built, target.name)
+    assert draft_head.head_path(target.name) == built  # a head `make head` built here goes first
+    make_drafter("draft-model", target, HEAD_DRAFT)  # (not checked against the shipped sha256)
+    draft_head.ship_head(second, DEFAULT_TARGET, {"test": True})  # a catalog target with a shipped head ...
+    assert pairing.default_draft(DEFAULT_TARGET) == HEAD_DRAFT  # ... drafts with it by default

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verispec.drafters.draft_head import DraftHead, head_path, rms, save_head
+from verispec.drafters.draft_head import SHIPPED_HEADS, DraftHead, built_head_path, rms, save_head, ship_head
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft model, compared at its first position
@@ -851,8 +851,13 @@ def cmd_export(args) -> None:
 
     head, saved = trained_head(Path(args.work), load_model(TARGET), strict=True)
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
-    out = Path(args.out) if args.out else head_path(TARGET)
-    save_head(head, out, TARGET, about)
+    if args.ship:  # the head verispec ships for the target, in place of the one shipped before
+        out = SHIPPED_HEADS / f"{TARGET}.safetensors"
+        save_head(head, out, TARGET, about)
+        ship_head(out, TARGET, about)
+    else:
+        out = Path(args.out) if args.out else built_head_path(TARGET)
+        save_head(head, out, TARGET, about)
     log(f"wrote {out}")
 
 
@@ -882,7 +887,9 @@ def main() -> None:
     evaluate.add_argument("--draft-model", action=argparse.BooleanOptionalAction, default=True,
                           help="also measure the default draft model's first-position agreement")
     export = commands.add_parser("export", help="the trained head as a head file the engine loads (--draft FILE)")
-    export.add_argument("--out", default=None, help="a .safetensors path; default where --draft head looks")
+    export.add_argument("--out", default=None, help="a .safetensors path; default where `make head` puts it")
+    export.add_argument("--ship", action="store_true",
+                        help="as the head verispec ships (verispec/data/heads, sha256 in heads.json), replacing it")
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")

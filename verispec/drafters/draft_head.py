@@ -15,6 +15,7 @@ computation for drafting, its matmuls in the target's weight format; a head is s
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from verispec.models.loading import LoadedModel
 
 HEAD_FORMAT = "verispec-draft-head-1"
-HEAD_DRAFT = "head"  # `--draft head`: the head built for the target (`make head`), in head_path(target)
+HEAD_DRAFT = "head"  # `--draft head`: the target's head (built by `make head`, else shipped), in head_path(target)
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"  # the heads verispec ships
+SHIPPED_MANIFEST = "heads.json"  # target name -> {"file", "sha256", "trained": how}: what load_head checks
 TRAINED = ("fc", "attn_norm", "qkv.weight", "qkv.bias", "out", "mlp_norm", "gate_up", "down")
 
 
@@ -158,9 +161,63 @@ def save_head(head: DraftHead, path: Path, target_name: str, about: dict | None 
     save_file(tensors, str(path), metadata=metadata)
 
 
-def head_path(target_name: str) -> Path:
+def built_head_path(target_name: str) -> Path:
     """Where `make head` puts the head it trains for a target (by the target's name)."""
     return cache_root() / "heads" / f"{Path(target_name).name}.safetensors"
+
+
+def shipped_head(target_name: str) -> tuple[Path, str] | None:
+    """(the file, its sha256) of the head verispec ships for a target (SHIPPED_HEADS' manifest), where it ships one."""
+    try:
+        entries = json.loads((SHIPPED_HEADS / SHIPPED_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = entries.get(Path(target_name).name)
+    return None if entry is None else (SHIPPED_HEADS / entry["file"], entry["sha256"])
+
+
+def head_path(target_name: str) -> Path:
+    """The head `--draft head` drafts with: the one `make head` built on this machine (retrained, or for another
+    target), else the one verispec ships for the target; where neither exists, where `make head` would put one."""
+    built, shipped = built_head_path(target_name), shipped_head(target_name)
+    return built if built.is_file() or shipped is None else shipped[0]
+
+
+def ship_head(path: Path, target_name: str, trained: dict) -> None:
+    """Make `path`, a head file in SHIPPED_HEADS, the head verispec ships for a target, with its sha256 and how it
+    was `trained`: it replaces the one shipped for that target before (its old file is removed)."""
+    manifest = SHIPPED_HEADS / SHIPPED_MANIFEST
+    try:
+        entries = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    name = Path(target_name).name
+    old = entries.get(name, {}).get("file")
+    if old and old != path.name:
+        (SHIPPED_HEADS / old).unlink(missing_ok=True)
+    entries[name] = {"file": path.name, "sha256": _sha256(path), "trained": trained}
+    manifest.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_shipped(path: Path, target_name: str) -> None:
+    """Refuse a shipped head whose bytes are not the ones verispec shipped (a damaged or replaced file)."""
+    shipped = shipped_head(target_name)
+    if shipped is None or Path(path).resolve() != shipped[0].resolve():
+        return
+    if _sha256(path) != shipped[1]:
+        raise ValueError(
+            f"the draft head shipped for {Path(target_name).name} ({path}) does not match its sha256 in "
+            f"{SHIPPED_HEADS / SHIPPED_MANIFEST}: the file is damaged or was replaced; restore it (git checkout "
+            f"{path.name}, or reinstall verispec), build one with `make head`, or pass --draft with a head file"
+        )
 
 
 def is_head_spec(draft: str | None) -> bool:
@@ -272,10 +329,12 @@ def head_file(spec: str, target_name: str) -> Path:
 
 
 def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
-    """The head `spec` names ("head": the target's, built by `make head`; or a head file) over the loaded target."""
+    """The head `spec` names ("head": the target's, built by `make head` or shipped, see head_path; or a head file)
+    over the loaded target; a shipped head is checked against its sha256 first."""
     from safetensors import safe_open
 
     path = head_file(spec, target.name)
+    check_shipped(path, target.name)
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         if metadata.get("format") != HEAD_FORMAT:

@@ -31,8 +31,8 @@ class Pairing:
 
 
 def default_draft(target: str) -> str | None:
-    """A catalog target's draft when none is named: its draft head where one is built here (`make head`), else the
-    catalog's draft model; any other target's: none."""
+    """A catalog target's draft when none is named: its draft head where one is built here (`make head`) or shipped,
+    else the catalog's draft model; any other target's: none."""
     if str(target) not in CATALOG:
         return None
     return HEAD_DRAFT if head_path(str(target)).is_file() else DEFAULT_DRAFT
@@ -55,7 +55,7 @@ def pair_drafter(target: str, draft: str | None, drafter: str | None) -> Pairing
     if draft is None and str(target) in CATALOG:
         draft = default_draft(target)
         if draft == HEAD_DRAFT:
-            note = (f"drafting with the draft head built for {target} ({head_path(str(target))}); "
+            note = (f"drafting with the draft head for {target} ({head_path(str(target))}); "
                     f"--draft {DEFAULT_DRAFT} drafts with the draft model instead")
     if draft is None and drafter is None:
         best = MODEL_FREE_DRAFTERS[0]
