@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -223,6 +225,25 @@ def test_a_kernel_this_cpu_lacks_is_left_out_and_auto_falls_back_to_dense(monkey
     assert choose_format("auto", torch.bfloat16).weight_format == "none"
     with pytest.raises(ValueError, match="do not run on this CPU"):
         choose_format("w8a8", torch.bfloat16)
+
+
+def test_a_hopeless_candidate_is_never_timed_in_full_even_when_it_is_listed_first(monkeypatch):
+    """A reference path listed first (oneDNN's signed int8 comes before unsigned in `--quantize w8a8` on a Zen 4,
+    where it takes seconds a call) gets its warm-up and screening calls only: every candidate is screened before
+    any is timed."""
+    calls = {"int8": 0, "none": 0}
+    call = Linear.__call__
+
+    def counted(self, x):
+        calls[self.format] += 1
+        if self.format == "int8":
+            time.sleep(0.02)  # a reference path: far slower than dense
+        return call(self, x)
+
+    monkeypatch.setattr(Linear, "__call__", counted)
+    seconds = measure_formats(("int8", "none"), torch.bfloat16, 64, 32, rows=(1, 8), copies=1)
+    assert set(seconds) == {"int8", "none"} and seconds["int8"] > linear_module.HOPELESS * seconds["none"] / 9
+    assert calls["int8"] == 2 and calls["none"] > 2  # warm-up and screen only; dense timed at both widths
 
 
 def test_w4a8_that_cannot_run_here_is_named_when_asked(monkeypatch):

@@ -277,16 +277,17 @@ def measure_formats(
     token; a verify pass), per candidate.
 
     Several copies make the weights come from memory rather than cache, as a whole forward's do:
-    what separates formats of different sizes. Each candidate is first called once on `screen_rows`
-    rows; one that takes HOPELESS times the fastest is not timed further (that call, scaled to the
-    rows, stands for it). Candidates are FORMATS or "w8a8-s8" / "w8a8-u8";
-    one that fails to run on this CPU is left out.
+    what separates formats of different sizes. Every candidate is first called once on `screen_rows`
+    rows; one that takes HOPELESS times the fastest of them all is not timed further (that call, scaled to
+    the rows, stands for it), whatever its place in `candidates`: a reference path timed in full first cost a
+    Zen 4 minutes per load. Candidates are FORMATS or "w8a8-s8" / "w8a8-u8"; one that fails to run on this CPU
+    is left out.
     """
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype) for _ in range(copies)]
     inputs = [torch.randn(n, in_features, generator=generator).to(dtype) for n in rows]
     screen = torch.randn(screen_rows, in_features, generator=generator).to(dtype)
-    seconds, screened = {}, {}  # screened: one warm call of every candidate on `screen`
+    screened, linears_of = {}, {}  # screened: one warm call of every candidate on `screen`
     for candidate in candidates:
         weight_format, _, activations = candidate.partition("-")
         linears = [Linear(weight.clone()) for weight in weights]
@@ -296,15 +297,17 @@ def measure_formats(
             [linear(screen[:1]) for linear in linears]  # warm-up, at one row: cheap on every path
             started = time.perf_counter()
             [linear(screen) for linear in linears]
-            screened[candidate] = time.perf_counter() - started
-            if screened[candidate] > HOPELESS * min(screened.values()):
-                # A reference path (oneDNN's signed int8 without AMX: seconds per call): its cost is
-                # estimated from the screening call rather than timed at every row count.
-                seconds[candidate] = screened[candidate] * sum(rows) / screen_rows
-                continue
-            seconds[candidate] = sum(time_call(lambda x=x: [linear(x) for linear in linears]) for x in inputs)
         except (RuntimeError, NotImplementedError):  # this CPU or build lacks the kernel
             continue
+        screened[candidate], linears_of[candidate] = time.perf_counter() - started, linears
+    seconds = {}
+    for candidate, linears in linears_of.items():
+        if screened[candidate] > HOPELESS * min(screened.values()):
+            # A reference path (oneDNN's signed int8 without AMX: seconds per call): its cost is
+            # estimated from the screening call rather than timed at every row count.
+            seconds[candidate] = screened[candidate] * sum(rows) / screen_rows
+            continue
+        seconds[candidate] = sum(time_call(lambda x=x, ls=linears: [linear(x) for linear in ls]) for x in inputs)
     return seconds
 
 
