@@ -8,7 +8,6 @@ loop (format_chooser.measure) over models whose forwards advance the clock by th
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -131,27 +130,28 @@ def test_when_the_budget_runs_out_the_choice_is_made_from_what_was_timed():
     assert set(record["seconds"]) | set(record["too_slow"]) == set(candidates)
 
 
-def test_a_slow_format_forced_by_the_environment_is_dropped_within_the_budget(monkeypatch):
-    """$VERISPEC_SLOW_FORMAT makes a real candidate's calls take seconds (here on two linears of a tiny model's
-    shape, really timed): the chooser drops it at the screen and ends in a few seconds."""
-    monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, "w4a8=0.5")
-    timed = []
+def test_a_slow_format_forced_by_the_environment_is_dropped_at_its_screen(monkeypatch):
+    """$VERISPEC_SLOW_FORMAT makes a real candidate's calls take seconds (here two linears of a tiny model's shape):
+    the chooser drops it at the screen without building it; past HOPELESS_SCREEN its warm-up call stands for its
+    screen and it is not called again. (What is asserted is what ran, not how long it took.)"""
+    timed, calls = [], []
 
     def build(candidate: str):
         timed.append(candidate)
         return None  # nothing to time whole: the screen decides
 
     def screen(candidate: str):
-        return format_chooser.linear_screen(candidate, torch.bfloat16, 64, 128)
+        call = format_chooser.linear_screen(candidate, torch.bfloat16, 64, 128)
+        return lambda: (calls.append(candidate), call())
 
-    started = time.perf_counter()
+    monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, "w4a8=0.3")
     record = measure(Subject(screen, build), ["none", "w4a8"], BUDGETS["draft"])
-    assert time.perf_counter() - started < 5.0
-    assert "w4a8" in record["too_slow"] and record["screen"]["w4a8"] >= 0.5 and timed == ["none"]
-    monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, "w4a8=1.5")  # past HOPELESS_SCREEN: called once, not twice
-    started = time.perf_counter()
+    assert "w4a8" in record["too_slow"] and record["screen"]["w4a8"] >= 0.3 and timed == ["none"]
+    assert calls.count("w4a8") == 2  # a warm-up call and one timed call (it is long: not repeated)
+    monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, f"w4a8={format_chooser.HOPELESS_SCREEN + 0.1}")
+    calls.clear()
     record = measure(Subject(screen, build), ["w4a8"], BUDGETS["draft"])
-    assert 1.5 <= time.perf_counter() - started < 2.9 and record["screen"]["w4a8"] >= 1.5
+    assert calls == ["w4a8"] and record["screen"]["w4a8"] > format_chooser.HOPELESS_SCREEN
 
 
 def test_the_slow_format_hook_says_what_it_wants():
