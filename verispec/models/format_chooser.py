@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from verispec.models.forward_cost import Forwarding, _prompted_cache, _token_ids
+from verispec.models.forward_cost import Forwarding, cost_token_ids, prompted_cache
 from verispec.models.linear import Linear
 
 SCREEN_DROP = 8.0  # a screen this many times the best one's drops a candidate (one linear misjudges up to ~5x)
@@ -167,7 +167,7 @@ def measure(subject: Subject, candidates: Sequence[str], budget: float,
     for candidate in state.screen:
         if candidate not in survivors:
             state.too_slow[candidate] = f"screen {state.screen[candidate] / min(state.screen.values()):.0f}x the best"
-    costs = _time_whole(subject, survivors, state)
+    costs = _time_whole(subject, survivors, state, slow)
     estimates = {c: subject.estimate(by_model) for c, by_model in costs.items()}
     seconds = {c: sum(by_width.values()) for c, by_width in estimates.items()}
     return {
@@ -202,10 +202,11 @@ def _time_screen(call: Callable[[], object], clock: Callable[[], float]) -> floa
     return min(times)
 
 
-def _time_whole(subject: Subject, survivors: list[str], state: Choosing) -> dict[str, dict[str, dict[int, float]]]:
+def _time_whole(subject: Subject, survivors: list[str], state: Choosing,
+                slow: Mapping[str, float]) -> dict[str, dict[str, dict[int, float]]]:
     """candidate -> model name -> width -> median seconds, for the survivors timed at every width before the budget
-    ran out or they proved too slow. Rounds interleave the candidates, so machine noise hits them alike."""
-    slow = _slow_format_hook()
+    ran out or they proved too slow. Rounds interleave the candidates, so machine noise hits them alike. `slow`:
+    $VERISPEC_SLOW_FORMAT's candidates, whose forwards sleep first."""
     models: dict[str, dict[str, Forwarding]] = {}
     building = 0.0  # seconds the last candidate took to build: what the next one should take
     for candidate in survivors:
@@ -244,12 +245,12 @@ def _time_whole(subject: Subject, survivors: list[str], state: Choosing) -> dict
                         alive.remove(candidate)
                         state.too_slow[candidate] = f"its prefill ({prefill:.2f} s) would end past the budget"
                         continue
-                    caches[candidate] = {name: _prompted_cache(m, subject.context, max(subject.rows))
+                    caches[candidate] = {name: prompted_cache(m, subject.context, max(subject.rows))
                                          for name, m in models[candidate].items()}
                 seconds = 0.0
                 for name, model in models[candidate].items():
                     started = state.clock()
-                    model.forward(_token_ids(n, model.vocab_size, 7), caches[candidate][name])  # never committed
+                    model.forward(cost_token_ids(n, model.vocab_size, 7), caches[candidate][name])  # never committed
                     spent = state.clock() - started
                     samples[candidate][name][n].append(spent)
                     seconds += spent

@@ -59,8 +59,8 @@ def forward_costs(
         raise ValueError(f"need rounds >= 1, warmup >= 0, context >= 1 and rows >= 1; got {rounds}, {warmup}, "
                          f"{context}, {rows}")
     transformers = {name: m if hasattr(m, "forward") else m.model for name, m in models.items()}  # LoadedModel: .model
-    caches = {name: _prompted_cache(model, context, max(rows)) for name, model in transformers.items()}
-    inputs = {name: {n: _token_ids(n, m.vocab_size, offset=7) for n in rows} for name, m in transformers.items()}
+    caches = {name: prompted_cache(model, context, max(rows)) for name, model in transformers.items()}
+    inputs = {name: {n: cost_token_ids(n, m.vocab_size, offset=7) for n in rows} for name, m in transformers.items()}
     seconds: dict[tuple[str, int], list[float]] = {(name, n): [] for name in transformers for n in rows}
     total = warmup + rounds
     for done in range(1, total + 1):
@@ -74,15 +74,15 @@ def forward_costs(
     return {name: {n: statistics.median(seconds[(name, n)][warmup:]) for n in rows} for name in transformers}
 
 
-def _prompted_cache(model: Forwarding, context: int, most_rows: int) -> KVCache:
+def prompted_cache(model: Forwarding, context: int, most_rows: int) -> KVCache:
     """A one-row cache holding a `context`-token prompt, with room for `most_rows` more."""
     cache = model.new_cache(1, context + most_rows)
-    model.forward(_token_ids(context, model.vocab_size, offset=1000), cache, last_only=True)
+    model.forward(cost_token_ids(context, model.vocab_size, offset=1000), cache, last_only=True)
     cache.commit(context)
     return cache
 
 
-def _token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
+def cost_token_ids(count: int, vocab_size: int, offset: int) -> torch.Tensor:
     """(1, count) distinct-looking token ids that every vocabulary holds: what they say does not change a cost."""
     return ((torch.arange(count) + offset) % vocab_size)[None]
 
@@ -132,6 +132,6 @@ def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
 def _catch_up_seconds(draft: Forwarding, rounds: int = STEP_ROUNDS) -> float:
     """Median seconds of one draft forward over CATCH_UP_TOKENS new tokens, scoring only the last (a catch-up)."""
     cache = draft.new_cache(1, CATCH_UP_TOKENS)
-    tokens = _token_ids(CATCH_UP_TOKENS, draft.vocab_size, offset=11)
+    tokens = cost_token_ids(CATCH_UP_TOKENS, draft.vocab_size, offset=11)
     # never committed: every call sees the empty cache
     return time_call(lambda: draft.forward(tokens, cache, last_only=True), repeats=rounds)
