@@ -57,7 +57,7 @@ head: models
 # The head `make head` trained, as the one verispec ships for the default target (verispec/data/heads, its sha256 in
 # heads.json, checked at load): it replaces the file shipped before. Commit both files.
 ship-head: models
-	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --ship
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --ship --weights int8
 
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
 # benchmarks/results/<this machine's kind>/; then `make tables`.

@@ -390,3 +390,30 @@ def test_a_shipped_head_drafts_by_default_is_replaced_when_shipped_again_and_ref
     make_drafter("draft-model", target, HEAD_DRAFT)  # (not checked against the shipped sha256)
     draft_head.ship_head(second, DEFAULT_TARGET, {"test": True})  # a catalog target with a shipped head ...
     assert pairing.default_draft(DEFAULT_TARGET) == HEAD_DRAFT  # ... drafts with it by default
+
+
+def test_an_int8_head_file_is_a_quarter_of_the_bytes_and_drafts_as_its_rounded_weights(target, tmp_path):
+    """A head stored as int8 per row (save_head weights="int8", how verispec ships one) loads back to each weight
+    within half a step of its row's scale, takes about a quarter of float32's bytes, and drafts losslessly."""
+    from verispec.drafters.draft_head import from_int8_rows, int8_rows, loaded_tensors, stored_tensors
+
+    weight = torch.randn(64, 48) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    quantized, scale = int8_rows(weight)
+    assert quantized.dtype == torch.int8 and scale.shape == (64,)
+    assert bool(((from_int8_rows(quantized, scale) - weight).abs() <= scale[:, None] / 2 + 1e-7).all())
+    module = trainable_head(target, seed=16)
+    wide, narrow = tmp_path / "float.safetensors", tmp_path / "int8.safetensors"
+    save_head(module, wide, target.name)
+    save_head(module, narrow, target.name, weights="int8")
+    assert narrow.stat().st_size < 0.3 * wide.stat().st_size
+    stored = stored_tensors(module, "int8")
+    assert stored["gate_up"].dtype == torch.int8 and stored["attn_norm"].dtype == torch.float32
+    restored = loaded_tensors(stored)
+    assert set(restored) == set(module.trained_tensors())
+    torch.testing.assert_close(restored["down"], module.down.weight.detach(), atol=float(stored["down.scale"].max()),
+                               rtol=0)
+    with pytest.raises(ValueError, match="head weights 'int4'"):
+        stored_tensors(module, "int4")
+    engine = SpeculativeEngine(target, make_drafter("draft-model", target, str(narrow)))
+    results = [engine.generate(p, GenerationConfig(max_new_tokens=24, k=2)) for p in PROMPTS]
+    assert [r.token_ids for r in results] == plain_tokens(target) and sum(r.stats.drafted_tokens for r in results)

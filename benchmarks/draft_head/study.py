@@ -48,7 +48,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verispec.drafters.draft_head import SHIPPED_HEADS, DraftHead, built_head_path, rms, save_head, ship_head
+from verispec.drafters.draft_head import (
+    HEAD_WEIGHTS, SHIPPED_HEADS, DraftHead, built_head_path, loaded_tensors, rms, save_head, ship_head, stored_tensors,
+)
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"  # the default draft model, compared at its first position
@@ -494,6 +496,9 @@ def cmd_train(args) -> None:
 # ---------------------------------------------------------------- measuring it
 
 
+# The head's trained parameters by their names in the module and in a head file (DraftHead.trained_tensors).
+TRAINED_PARAMETERS = {"fc.weight": "fc", "attn_norm": "attn_norm", "qkv.weight": "qkv.weight", "qkv.bias": "qkv.bias",
+                      "out.weight": "out", "mlp_norm": "mlp_norm", "gate_up.weight": "gate_up", "down.weight": "down"}
 RANK_MISS = 1 << 20  # a rank no tree reaches: the token is outside the head's vocabulary, or past the answer
 
 
@@ -717,7 +722,12 @@ def cmd_evaluate(args) -> None:
     dense = load_model(TARGET)
     head, saved = trained_head(work, dense)
     head.eval()
-    results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {}}
+    if args.weights != "float32":  # as a head file in that storage holds it (export --weights), back in float32
+        stored = loaded_tensors(stored_tensors(head, args.weights))
+        for module_name, file_name in TRAINED_PARAMETERS.items():
+            head.get_parameter(module_name).copy_(stored[file_name])
+    results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {},
+               "weights": args.weights}
     results["training"]["head_tokens"] = len(saved["vocab"])
     served = load_model(TARGET, quantize="auto")
     draft = load_model(DRAFT, quantize="w4a8") if args.draft_model else None
@@ -853,11 +863,11 @@ def cmd_export(args) -> None:
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     if args.ship:  # the head verispec ships for the target, in place of the one shipped before
         out = SHIPPED_HEADS / f"{TARGET}.safetensors"
-        save_head(head, out, TARGET, about)
-        ship_head(out, TARGET, about)
+        save_head(head, out, TARGET, about, args.weights)
+        ship_head(out, TARGET, {**about, "weights": args.weights})
     else:
         out = Path(args.out) if args.out else built_head_path(TARGET)
-        save_head(head, out, TARGET, about)
+        save_head(head, out, TARGET, about, args.weights)
     log(f"wrote {out}")
 
 
@@ -890,6 +900,10 @@ def main() -> None:
     export.add_argument("--out", default=None, help="a .safetensors path; default where `make head` puts it")
     export.add_argument("--ship", action="store_true",
                         help="as the head verispec ships (verispec/data/heads, sha256 in heads.json), replacing it")
+    for command in (evaluate, export):
+        command.add_argument("--weights", choices=HEAD_WEIGHTS, default="float32",
+                             help="the head file's storage (int8: per-row int8 matrices, a quarter of the bytes); "
+                                  "evaluate measures the head as that storage holds it")
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")

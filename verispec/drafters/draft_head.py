@@ -34,6 +34,7 @@ HEAD_FORMAT = "verispec-draft-head-1"
 HEAD_DRAFT = "head"  # `--draft head`: the target's head (built by `make head`, else shipped), in head_path(target)
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"  # the heads verispec ships
 SHIPPED_MANIFEST = "heads.json"  # target name -> {"file", "sha256", "trained": how}: what load_head checks
+HEAD_WEIGHTS = ("float32", "int8")  # how a head file stores its matrices (int8: per row, with float32 scales)
 TRAINED = ("fc", "attn_norm", "qkv.weight", "qkv.bias", "out", "mlp_norm", "gate_up", "down")
 
 
@@ -147,15 +148,48 @@ class DraftHead(torch.nn.Module):
         }
 
 
-def save_head(head: DraftHead, path: Path, target_name: str, about: dict | None = None) -> None:
-    """Write a head as safetensors, with what loading it needs (its target, shape) and `about` (its training)."""
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix (N, K) as int8 (N, K) and one float32 scale per row (N,), symmetric: weight ~ q * scale[:, None]."""
+    scale = weight.detach().float().abs().amax(-1).clamp(min=1e-12) / 127  # (N,)
+    return torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def from_int8_rows(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_rows' inverse, in float32 (N, K)."""
+    return quantized.float() * scale[:, None]
+
+
+def stored_tensors(head: DraftHead, weights: str = "float32") -> dict[str, torch.Tensor]:
+    """What a head file holds: the trained tensors in float32, or with `weights` "int8" each matrix as int8 per row
+    and its scales (`<name>.scale`; a quarter of the bytes), and the head's vocabulary."""
+    if weights not in HEAD_WEIGHTS:
+        raise ValueError(f"head weights {weights!r} is not one of {', '.join(HEAD_WEIGHTS)}")
+    tensors = {}
+    for name, tensor in head.trained_tensors().items():
+        if weights == "int8" and tensor.dim() == 2 and name != "vocab":
+            tensors[name], tensors[f"{name}.scale"] = int8_rows(tensor)
+        else:
+            tensors[name] = tensor.detach().float()
+    tensors["vocab"] = head.vocab.long()
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def loaded_tensors(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A head file's tensors with every int8 matrix (one with a `<name>.scale`) back in float32."""
+    return {name: from_int8_rows(tensor, stored[f"{name}.scale"]) if f"{name}.scale" in stored else tensor
+            for name, tensor in stored.items() if not name.endswith(".scale")}
+
+
+def save_head(head: DraftHead, path: Path, target_name: str, about: dict | None = None,
+              weights: str = "float32") -> None:
+    """Write a head as safetensors (its matrices in `weights`: float32, or int8 per row), with what loading it
+    needs (its target, shape) and `about` (its training)."""
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.detach().float().contiguous() for name, tensor in head.trained_tensors().items()}
-    tensors["vocab"] = head.vocab.long().contiguous()
+    tensors = stored_tensors(head, weights)
     metadata = {
         "format": HEAD_FORMAT, "target": target_name, "heads": str(head.heads), "rope_theta": repr(head.rope_theta),
-        "about": json.dumps(about or {}),
+        "weights": weights, "about": json.dumps(about or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
@@ -339,7 +373,7 @@ def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
         metadata = handle.metadata() or {}
         if metadata.get("format") != HEAD_FORMAT:
             raise ValueError(f"{path} is not a verispec draft head (format {metadata.get('format')!r})")
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        tensors = loaded_tensors({name: handle.get_tensor(name) for name in handle.keys()})
     missing = [name for name in (*TRAINED, "vocab") if name not in tensors]
     if missing:
         raise ValueError(f"draft head {path} lacks {', '.join(missing)}: build it again with `make head`")
