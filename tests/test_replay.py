@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.replay import K_MAX, Costs, Trace, _line, replay, speedup
+from verispec.replay import K_MAX, Costs, Trace, _line, replay, runs_from_steps, speedup
 
 MODEL = ("draft-model",)
 
@@ -65,3 +65,13 @@ def test_a_lookup_drafts_where_it_finds_a_match_and_the_model_elsewhere():
     assert plain.tokens == both.tokens == model_only.tokens == answer
     assert plain.steps == answer and both.steps < model_only.steps < plain.steps
     assert both.tokens_per_second > model_only.tokens_per_second > plain.tokens_per_second
+
+
+def test_runs_from_a_recorded_greedy_run_cover_every_position():
+    """Steps (drafted, accepted) of a k = 8 run: 3 passed then a rejection (positions 0-3: runs 3, 2, 1, 0), a
+    lookup's empty step (None), all 8 passing (8 .. 1 and a lower bound 0 at the bonus token), then the end."""
+    steps = [(8, 3), (0, 0), (8, 8), (2, 1)]
+    runs = runs_from_steps(steps, 16, lookup=True)
+    assert runs == [3, 2, 1, 0, None, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 0]
+    assert runs_from_steps(steps, 16, lookup=False)[4] == 0  # a model's step without drafts: no run, not "no proposal"
+    assert runs_from_steps([(8, 8)], 4, lookup=False) == [8, 7, 6, 5]  # cut at the answer's end

@@ -192,6 +192,26 @@ def speedup(costs: Costs, traces: list[Trace], clients: int, order: tuple[str, .
     return replay(costs, traces, clients, order, k, requests).tokens_per_second / plain.tokens_per_second
 
 
+def runs_from_steps(steps: list[tuple[int, int]], answer_tokens: int, lookup: bool) -> list[int | None]:
+    """A source's accepted run at each answer position, from a greedy run that drafted k = K_MAX with it: steps
+    [(drafted, accepted)] in order. A step at position p with a drafts accepted commits p .. p + a, and the draft
+    from each p + j of those continues the same guesses (its context is the same), so its run is a - j: exact where
+    a draft was rejected, a lower bound where all passed. A step that drafted nothing: None for a lookup (it found
+    no match), else 0."""
+    runs: list[int | None] = [0] * answer_tokens
+    position = 0
+    for drafted, accepted in steps:
+        if position >= answer_tokens:
+            break
+        if drafted == 0:
+            runs[position] = None if lookup else 0
+        for j in range(min(accepted + 1, answer_tokens - position)):
+            if drafted:
+                runs[position + j] = accepted - j
+        position += accepted + 1
+    return runs
+
+
 def load_traces(path: Path) -> list[Trace]:
     """A workload's recorded traces (benchmarks/results/acceptance-traces/<workload>.json)."""
     data = json.loads(Path(path).read_text())
