@@ -126,21 +126,28 @@ def test_a_target_without_a_known_draft_runs_the_best_model_free_drafter(tiny_on
     assert named["drafter"] == "prompt-lookup" and "note" not in err
 
 
-def test_pairing_keeps_the_catalog_draft_for_a_catalog_target_or_its_head_where_one_is_built(own_cache):
-    from verispec.drafters.draft_head import head_path
+def test_pairing_drafts_a_catalog_target_with_its_shipped_or_built_head_else_the_catalog_draft(
+        own_cache, tmp_path, monkeypatch):
+    from verispec.drafters import draft_head
     from verispec.drafters.pairing import pair_drafter
     from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
+    shipped = pair_drafter(DEFAULT_TARGET, None, None)  # a fresh clone: the head verispec ships
+    assert (shipped.drafter, shipped.draft) == ("composite", "head")
+    assert DEFAULT_DRAFT in shipped.note and str(draft_head.SHIPPED_HEADS) in shipped.note
+    assert pair_drafter(DEFAULT_TARGET, DEFAULT_DRAFT, None).draft == DEFAULT_DRAFT  # named: kept
+    monkeypatch.setattr(draft_head, "SHIPPED_HEADS", tmp_path / "none-shipped")
     assert pair_drafter(DEFAULT_TARGET, None, None) == pair_drafter(DEFAULT_TARGET, DEFAULT_DRAFT, None)
     assert pair_drafter(DEFAULT_TARGET, None, None).draft == DEFAULT_DRAFT
     assert pair_drafter(DEFAULT_TARGET, None, None).note is None
     assert pair_drafter("org/tiny", "none", None).drafter == "none"  # --draft none: plain decoding, no note
     assert pair_drafter("org/tiny", None, "suffix-index").note is None
-    head_path(DEFAULT_TARGET).parent.mkdir(parents=True)
-    head_path(DEFAULT_TARGET).write_bytes(b"")  # `make head` built one (what it holds is read at load)
-    built = pair_drafter(DEFAULT_TARGET, None, None)
-    assert (built.drafter, built.draft) == ("composite", "head")
-    assert DEFAULT_DRAFT in built.note and pair_drafter(DEFAULT_TARGET, DEFAULT_DRAFT, None).draft == DEFAULT_DRAFT
+    built = draft_head.built_head_path(DEFAULT_TARGET)
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"")  # `make head` built one (what it holds is read at load)
+    assert (pair_drafter(DEFAULT_TARGET, None, None).drafter, pair_drafter(DEFAULT_TARGET, None, None).draft) == (
+        "composite", "head")
+    assert str(built) in pair_drafter(DEFAULT_TARGET, None, None).note
 
 
 @pytest.fixture(scope="module")

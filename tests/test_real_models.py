@@ -63,6 +63,29 @@ def test_float32_speculative_greedy_equals_plain_on_humaneval(qwen_f32, plain_f3
     assert sum(accepted) / len(accepted) > 0.5  # the 0.5B really drafts for the 1.5B
 
 
+def test_float32_the_shipped_head_drafts_for_the_target_and_greedy_equals_plain(qwen_f32, plain_f32):
+    """The head verispec ships for the default target (verispec/data/heads, sha256-checked at load) is a trained
+    one: it drafts what the target then accepts, and the output stays plain decoding's, token for token."""
+    from verispec.drafters import make_drafter
+    from verispec.drafters.draft_head import shipped_head
+
+    target, _ = qwen_f32
+    shipped = shipped_head(TARGET)
+    assert shipped is not None and shipped[0].is_file(), "no head shipped for the default target: make ship-head"
+    spec = SpeculativeEngine(target, make_drafter("draft-model", target, str(shipped[0])))
+    problems = humaneval_prompts()
+    drafted = accepted = 0  # at the first draft position
+    for index in (11, 47, 101):
+        prompt = problems[index]["prompt"]
+        result = spec.generate(prompt, GenerationConfig(max_new_tokens=64, k=4))
+        assert result.token_ids == plain_f32(prompt, 64), problems[index]["id"]
+        drafted += result.stats.drafted_by_position[0]
+        accepted += result.stats.accepted_by_position[0]
+    # Its first guess passes about 64% of the time on HumanEval (benchmarks/results/xeon/shipped-head); a random head
+    # over 32,768 tokens: about never.
+    assert drafted > 0 and accepted / drafted > 0.45, (accepted, drafted)
+
+
 @pytest.mark.parametrize("kind", ["prompt-lookup", "suffix-index", "composite", "cross-tokenizer"])
 def test_float32_every_drafter_equals_plain(qwen_f32, plain_f32, kind):
     """Greedy output of every drafter equals plain decoding token for token (float32, real models)."""

@@ -724,8 +724,9 @@ def cmd_evaluate(args) -> None:
     head.eval()
     if args.weights != "float32":  # as a head file in that storage holds it (export --weights), back in float32
         stored = loaded_tensors(stored_tensors(head, args.weights))
-        for module_name, file_name in TRAINED_PARAMETERS.items():
-            head.get_parameter(module_name).copy_(stored[file_name])
+        with torch.no_grad():
+            for module_name, file_name in TRAINED_PARAMETERS.items():
+                head.get_parameter(module_name).copy_(stored[file_name])
     results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {},
                "weights": args.weights}
     results["training"]["head_tokens"] = len(saved["vocab"])
@@ -860,7 +861,11 @@ def cmd_export(args) -> None:
     from verispec.models.loading import load_model
 
     head, saved = trained_head(Path(args.work), load_model(TARGET), strict=True)
+    from verispec.bench.machine import machine_line
+
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
+    about["data"] = sorted(path.stem for path in Path(args.work).glob("train-*.pt"))  # what train read
+    about["machine"] = machine_line()
     if args.ship:  # the head verispec ships for the target, in place of the one shipped before
         out = SHIPPED_HEADS / f"{TARGET}.safetensors"
         save_head(head, out, TARGET, about, args.weights)

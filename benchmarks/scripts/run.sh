@@ -214,6 +214,31 @@ defaults() {  # the machine matrix (issue 29): own plain against `verispec serve
 DEFAULTS_REQUESTS=${DEFAULTS_REQUESTS:-4,8,16} KEEP_CHOICES=${KEEP_CHOICES:-0} bash benchmarks/scripts/run.sh defaults"
 }
 
+shipped_head() {  # issue 45: a fresh clone's defaults (the shipped head behind the suffix index) against the same
+    # server decoding plainly, the 0.5B draft model in the head's place, and llama.cpp plain (`make peers`), 1 and 4
+    # clients. Refuses to run where a head `make head` built here would go before the shipped one.
+    local out=${SHIPPED_HEAD_OUT:-$R/shipped-head-served}
+    .venv/bin/python -c 'import sys; from verispec.drafters.draft_head import head_path, shipped_head
+t = "qwen2.5-coder-1.5b-instruct"; s = shipped_head(t)
+sys.exit(0 if s and head_path(t) == s[0] else f"not the shipped head: {head_path(t)} (move it away)")'
+    local S="--threads 2 --max-batch-size 16 --max-context 2048"
+    local llama=()
+    [ -x $P/.llama.cpp/bin/llama-server ] && llama=(--server llama.cpp-plain=http://127.0.0.1:8754/v1
+        --start "llama.cpp-plain=SLOTS=4 $P/serve_llama_cpp.sh plain 8754")
+    for workload in ${SHIPPED_HEAD_WORKLOADS:-humaneval chat}; do
+        $V bench-serve \
+            --server verispec-plain=http://127.0.0.1:8751/v1 --start "verispec-plain=$V serve --drafter none --port 8751 $S" \
+            --server verispec-defaults=http://127.0.0.1:8752/v1 --start "verispec-defaults=$V serve --port 8752 $S" \
+            --server verispec-draft-model=http://127.0.0.1:8753/v1 \
+            --start "verispec-draft-model=$V serve --draft qwen2.5-coder-0.5b-instruct --port 8753 $S" \
+            "${llama[@]}" --workload $workload --limit 16 --concurrency ${SHIPPED_HEAD_CONCURRENCY:-1,4} \
+            --requests ${SHIPPED_HEAD_REQUESTS:-16,16} --max-tokens 128 --out $out/$workload || true
+    done
+    stamp $out "SHIPPED_HEAD_OUT=$out SHIPPED_HEAD_WORKLOADS='${SHIPPED_HEAD_WORKLOADS:-humaneval chat}' \
+SHIPPED_HEAD_CONCURRENCY=${SHIPPED_HEAD_CONCURRENCY:-1,4} SHIPPED_HEAD_REQUESTS=${SHIPPED_HEAD_REQUESTS:-16,16} \
+bash benchmarks/scripts/run.sh shipped_head"
+}
+
 prefill() {  # issue 12 items 4-5: prefix reuse and chunked prefill, each against the server without it.
     local out=$R/chunked-prefill
     local S="--drafter none --threads 2 --max-batch-size 16 --max-context 2048"
