@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model(TARGET, quantize="auto", progress=True)
@@ -60,7 +61,8 @@ def main() -> None:
                 "draft-model": make_drafter("draft-model", target, DRAFT),
                 "draft-head": make_drafter("draft-model", target, HEAD_DRAFT)}
     args.out.mkdir(parents=True, exist_ok=True)
-    for workload, source in WORKLOADS.items():
+    for workload in args.workloads.split(","):
+        source = WORKLOADS[workload]
         requests, differing = [], 0
         for item in tqdm(load_workload(source, args.limit), desc=workload):
             prompt = render_prompt(target.tokenizer, item)

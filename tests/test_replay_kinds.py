@@ -1,0 +1,42 @@
+"""The defaults never slower than plain on any recorded machine kind, by replaying each kind's recorded step costs
+(benchmarks/results/<kind>/controller-costs*.json) over each workload's recorded acceptance (benchmarks/results/
+acceptance-traces/) through the real controller (verispec.replay). These tests time nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verispec.replay import Costs, load_traces, speedup
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+KINDS = sorted(RESULTS.glob("*/controller-costs*.json"))
+WORKLOADS = sorted((RESULTS / "acceptance-traces").glob("*.json"))
+DEFAULTS = ("suffix-index", "draft-head")  # the composite's order: the suffix index where it matches, else the head
+DRAFT_MODEL = ("suffix-index", "draft-model")  # a catalog target without a head drafts with the 0.5B model
+REQUESTS = {1: 16, 4: 16, 16: 32}  # requests replayed at each number of clients
+
+
+def label(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+def test_every_machine_kind_and_workload_is_recorded():
+    kinds = {path.parent.name for path in KINDS}
+    assert {"xeon", "zen1", "zen2", "zen3", "zen4", "zen5"} <= kinds, kinds
+    assert {path.stem for path in WORKLOADS} >= {"humaneval", "chat"}  # long-documents: not recorded yet
+
+
+@pytest.fixture(scope="module", params=WORKLOADS, ids=label)
+def traces(request):
+    return load_traces(request.param)
+
+
+@pytest.mark.parametrize("order", [DEFAULTS, DRAFT_MODEL], ids=["head", "draft-model"])
+@pytest.mark.parametrize("kind", KINDS, ids=label)
+def test_the_defaults_are_never_slower_than_plain(kind, traces, order):
+    costs = Costs.from_json(kind)
+    for clients, requests in REQUESTS.items():
+        ratio = speedup(costs, traces, clients, order, "auto", requests)
+        assert ratio >= 0.98, f"{clients} clients: {ratio:.3f}x plain"
