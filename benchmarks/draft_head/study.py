@@ -858,11 +858,10 @@ def cmd_trees(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from verispec.bench.machine import machine_line
     from verispec.models.loading import load_model
 
     head, saved = trained_head(Path(args.work), load_model(TARGET), strict=True)
-    from verispec.bench.machine import machine_line
-
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     about["data"] = sorted(path.stem for path in Path(args.work).glob("train-*.pt"))  # what train read
     about["machine"] = machine_line()
