@@ -177,9 +177,8 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
         committed = min(accepted + 1, row.remaining)
         row.position += committed
         outcome.tokens += committed
-    drafted_sources = [source for source in drafting]
-    if len(drafted_sources) <= 1:
-        controller.observe_step(drafted_sources[0] if drafted_sources else None, n, step, spent + forward)
+    if len(drafting) <= 1:  # a whole step, one source's or plain (as the scheduler observes it)
+        controller.observe_step(next(iter(drafting), None), n, step, spent + forward)
     outcome.seconds += step
     outcome.steps += 1
     outcome.chosen[max(ks)] += 1

@@ -496,9 +496,6 @@ def cmd_train(args) -> None:
 # ---------------------------------------------------------------- measuring it
 
 
-# The head's trained parameters by their names in the module and in a head file (DraftHead.trained_tensors).
-TRAINED_PARAMETERS = {"fc.weight": "fc", "attn_norm": "attn_norm", "qkv.weight": "qkv.weight", "qkv.bias": "qkv.bias",
-                      "out.weight": "out", "mlp_norm": "mlp_norm", "gate_up.weight": "gate_up", "down.weight": "down"}
 RANK_MISS = 1 << 20  # a rank no tree reaches: the token is outside the head's vocabulary, or past the answer
 
 
@@ -724,9 +721,10 @@ def cmd_evaluate(args) -> None:
     head.eval()
     if args.weights != "float32":  # as a head file in that storage holds it (export --weights), back in float32
         stored = loaded_tensors(stored_tensors(head, args.weights))
-        with torch.no_grad():
-            for module_name, file_name in TRAINED_PARAMETERS.items():
-                head.get_parameter(module_name).copy_(stored[file_name])
+        with torch.no_grad():  # trained_tensors are the module's own parameters, by their names in a head file
+            for name, parameter in head.trained_tensors().items():
+                if name != "vocab":
+                    parameter.copy_(stored[name])
     results = {"training": {k: v for k, v in saved.items() if k not in ("state", "vocab")}, "workloads": {},
                "weights": args.weights}
     results["training"]["head_tokens"] = len(saved["vocab"])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from verispec.models.linear import Linear
+from verispec.models.linear import Linear, quantize_rows
 from verispec.models.machine import cache_root
 from verispec.models.transformer import Transformer
 
@@ -150,8 +150,8 @@ class DraftHead(torch.nn.Module):
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A matrix (N, K) as int8 (N, K) and one float32 scale per row (N,), symmetric: weight ~ q * scale[:, None]."""
-    scale = weight.detach().float().abs().amax(-1).clamp(min=1e-12) / 127  # (N,)
-    return torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    quantized, scale = quantize_rows(weight.detach())  # (N, K) integers in float, (N, 1)
+    return quantized.to(torch.int8), scale[:, 0]
 
 
 def from_int8_rows(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -164,13 +164,14 @@ def stored_tensors(head: DraftHead, weights: str = "float32") -> dict[str, torch
     and its scales (`<name>.scale`; a quarter of the bytes), and the head's vocabulary."""
     if weights not in HEAD_WEIGHTS:
         raise ValueError(f"head weights {weights!r} is not one of {', '.join(HEAD_WEIGHTS)}")
-    tensors = {}
+    tensors = {"vocab": head.vocab.long()}
     for name, tensor in head.trained_tensors().items():
-        if weights == "int8" and tensor.dim() == 2 and name != "vocab":
+        if name == "vocab":
+            continue
+        if weights == "int8" and tensor.dim() == 2:
             tensors[name], tensors[f"{name}.scale"] = int8_rows(tensor)
         else:
             tensors[name] = tensor.detach().float()
-    tensors["vocab"] = head.vocab.long()
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
