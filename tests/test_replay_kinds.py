@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verispec.replay import Costs, load_traces, speedup
+from verispec.replay import K_MAX, Costs, load_traces, speedup
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 KINDS = sorted(RESULTS.glob("*/controller-costs*.json"))
@@ -25,7 +25,7 @@ def label(path: Path) -> str:
 def test_every_machine_kind_and_workload_is_recorded():
     kinds = {path.parent.name for path in KINDS}
     assert {"xeon", "zen1", "zen2", "zen3", "zen4", "zen5"} <= kinds, kinds
-    assert {path.stem for path in WORKLOADS} >= {"humaneval", "chat"}  # long-documents: not recorded yet
+    assert {path.stem for path in WORKLOADS} >= {"humaneval", "chat", "long-documents"}
 
 
 @pytest.fixture(scope="module", params=WORKLOADS, ids=label)
@@ -40,3 +40,14 @@ def test_the_defaults_are_never_slower_than_plain(kind, traces, order):
     for clients, requests in REQUESTS.items():
         ratio = speedup(costs, traces, clients, order, "auto", requests)
         assert ratio >= 0.98, f"{clients} clients: {ratio:.3f}x plain"
+
+
+@pytest.mark.parametrize("order", [DEFAULTS, DRAFT_MODEL], ids=["head", "draft-model"])
+@pytest.mark.parametrize("kind", KINDS, ids=label)
+def test_one_client_keeps_nearly_all_of_the_best_fixed_ks_gain(kind, traces, order):
+    """At one client the controller, which knows nothing of the workload in advance, keeps at least 95% of what the
+    best k fixed in hindsight gains over plain decoding (where some fixed k gains at all)."""
+    costs = Costs.from_json(kind)
+    best = max(speedup(costs, traces, 1, order, k, REQUESTS[1]) for k in range(1, K_MAX + 1))
+    auto = speedup(costs, traces, 1, order, "auto", REQUESTS[1])
+    assert auto - 1 >= 0.95 * (best - 1), f"auto {auto:.3f}x plain, best fixed k {best:.3f}x"

@@ -132,7 +132,8 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [True, False, False, False]  # unmeasured: one row
     controller.observe_catch_up(5.0, 100)  # 50 ms a token
     averages = controller._source("draft-model")
-    averages.alpha, averages.draft_cost = [0.9] * 8, {4: 0.002}
+    averages.draft_cost = {4: 0.002}
+    averages.assume([0.9] * 8, 10)
     controller.verify_cost = {4: 0.1, 12: 0.6}  # verifying 3 tokens a row costs 6x one: drafting saves nothing
     assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [False] * 4
     controller.verify_cost = {4: 0.1, 12: 0.11}  # about the same: drafting saves ~60% of every token
@@ -153,7 +154,8 @@ def test_rows_caught_up_in_one_step_share_one_saving(target):
     assert min(behind) > LONG_TAIL
     controller = scheduler.controller
     averages = controller._source("draft-model")
-    averages.alpha, averages.draft_cost = [0.9] * 8, {3: 0.002}
+    averages.draft_cost = {3: 0.002}
+    averages.assume([0.9] * 8, 10)
     controller.verify_cost = {3: 0.1, 9: 0.11}
     saving = 40 * (1 / controller.expected_rate(0, averages, 3) - 1 / controller.expected_rate(2, averages, 3))
     controller.catch_up_per_token = 0.6 * saving / behind[0]  # one row's catch-up: 60% of the saving
@@ -291,7 +293,7 @@ def test_controller_speculates_less_when_verification_gets_expensive():
         controller.verify_cost[tokens] = 0.2 if tokens <= 8 else 0.2 + 0.012 * (tokens - 8)
     controller.plain_batches.add(16)
     averages = controller._source("draft-model")
-    averages.alpha = [0.8] * 8
+    averages.assume([0.8] * 8, 10)
     averages.draft_cost = {1: 0.02, 16: 0.06}
     controller.recent_sources["draft-model"] = 1
     k_single, k_batch = controller.choose_k(1), controller.choose_k(16)
@@ -551,6 +553,7 @@ def test_k_per_sequence_keeps_batched_greedy_equal_to_single_requests(tiny_dir, 
     # A drafter as costly as the target never pays here, so the source's k is forced; the rows' own k then differ
     # (what choose_row_ks gives is tested in test_policy), and the verify pass has rows of every width.
     monkeypatch.setattr(scheduler.controller, "choose_k", lambda *args: 3)
+    monkeypatch.setattr(scheduler.controller, "still_pays", lambda *args: True)
     given = []
 
     def choose_row_ks(batch_size, source, acceptance, others, caps):
@@ -669,7 +672,7 @@ def test_lookups_are_not_asked_where_the_controller_plans_no_lookup_draft(target
     assert asked == []
     assert all(not s.stats.drafted_tokens for s in scheduler.active)
     controller.verify_cost = {3: 0.1, 6: 0.101, 9: 0.102, 27: 0.11}  # about free: the lookup's 70% pays
-    lookup.alpha = [0.9] * 8
+    lookup.assume([0.9] * 8, 10)
     assert controller.planned_k(3, "suffix-index") > 0
     scheduler._step()
     assert len(asked) == 3
@@ -686,7 +689,8 @@ def test_lookups_are_planned_for_as_many_rows_as_last_found_a_recurring_context(
     def step(verify_cost: dict[int, float]) -> int:
         """One step under these costs (the step's own timings replace them after it); the lookups asked."""
         asked.clear()
-        lookup.draft_cost, lookup.alpha = {3: 1e-5}, [0.9] * 8
+        lookup.draft_cost = {3: 1e-5}
+        lookup.assume([0.9] * 8, 10)
         controller.verify_cost = dict(verify_cost)
         scheduler._step()
         return len(asked)

@@ -5,10 +5,13 @@ verify pass cost, and both sides differ by machine, model pair and workload. So 
 measures them online, on this machine, during the request:
 
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
-  positions before it were; an exponential moving average over recent steps. A position hardly
-  reached yet (deeper than the drafts tried) borrows the estimate of the position before it, and
-  a step whose drafts all passed moves the position just beyond them towards the deepest one's
-  estimate (short drafts never reach a deep position that was once measured low).
+  positions before it were: decayed counts, hits over steps that reached it (each step weighs
+  1 - 1/acceptance_memory less per later step of that source), shrunk towards a prior worth
+  PRIOR_STEPS steps: prior_acceptance for the first position, the estimate of the position before
+  for every later one. A position hardly reached (deeper than the drafts tried) thus reads as the one
+  before it, and what it measured long ago fades into that; a new source learns from its first few
+  steps, a measured one moves only as much as its memory allows (a moving average of a few steps
+  swings with every lucky or unlucky stretch, and each swing below break-even is a run of plain steps).
 - draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
   batched draft-model forward; ~0 for lookup), averaged per b and interpolated. Beyond the largest b
   measured it grows as the target's own forward grows from that size to b (both are forwards of
@@ -73,7 +76,8 @@ def moving_average(average: float | None, value: float, weight: float) -> float:
 @dataclass
 class ControllerSettings:
     k_max: int = 8  # longest draft considered
-    smoothing: float = 0.15  # weight of the newest observation in every moving average
+    smoothing: float = 0.15  # weight of the newest observation in every moving average of a cost
+    acceptance_memory: float = 32.0  # steps of a source its acceptance counts remember (see _Acceptance)
     prior_acceptance: float = 0.7  # optimistic start, so speculation is tried before it is judged
     probe_every: int = 8  # after this many plain steps in a row (times the batch size), try k = 1 once
     first_k: int = 4  # k of the very first step, before anything was measured
@@ -86,30 +90,59 @@ class ControllerSettings:
 # probe makes a draft model catch up on every token since the last one (on Zen 3, probes every 8 steps cost a
 # request 10% with nothing to find).
 MAX_PROBE_BACKOFF = 16
+SEED_TOLERANCE = 2.0  # seeds a step's forward finds this many times off (either way) are scaled to it (see seed)
 SLOW_FORWARD_CLIP = 1.25  # a forward measured slower than this times its average counts as this (see verify_cost)
 ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
-MIN_REACHED = 3  # a draft position reached fewer times than this borrows the acceptance of the one before
+PRIOR_STEPS = 2.0  # what a position's prior (prior_acceptance, or the position before) weighs, in steps
 
 
 @dataclass
 class _Averages:
-    alpha: list[float]  # (k_max,) acceptance by position, given reached
+    hits: list[float]  # (k_max,) decayed count of steps whose draft at each position was accepted
+    reached: list[float]  # (k_max,) decayed count of steps that drafted at each position, with all before accepted
+    prior: float  # the first position's acceptance before any step
     draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
-    reached: list[int] = field(default_factory=list)  # (k_max,) steps that reached each position
     name: str | None = None  # the source these are of (its whole steps' overhead, see step_overhead)
 
-    def acceptance(self) -> list[float]:
-        """alpha, with each position that has hardly been reached taking the estimate of the one before.
+    @classmethod
+    def start(cls, k_max: int, prior: float, name: str | None = None) -> "_Averages":
+        averages = cls([0.0] * k_max, [0.0] * k_max, prior, name=name)
+        averages.forget_first()
+        return averages
 
-        A position beyond every k tried so far has only the prior; were it kept, a drafter whose
-        first drafts almost always pass would still look worse at depth than it is, and the
-        controller would never draft deep enough to find out.
-        """
-        rates = list(self.alpha)
-        for i in range(1, len(rates)):
-            if i >= len(self.reached) or self.reached[i] < MIN_REACHED:
-                rates[i] = rates[i - 1]
+    def forget_first(self) -> None:
+        """The first position back to its prior: PRIOR_STEPS steps at prior acceptance (they fade as steps do)."""
+        self.hits[0], self.reached[0] = PRIOR_STEPS * self.prior, PRIOR_STEPS
+
+    def acceptance(self) -> list[float]:
+        """(k_max,) acceptance by position given reached: the first position's counts (its prior among them); each
+        later one's shrunk towards the estimate of the one before, by PRIOR_STEPS steps."""
+        rates = [self.hits[0] / self.reached[0]]
+        for hits, reached in zip(self.hits[1:], self.reached[1:]):
+            rates.append((hits + PRIOR_STEPS * rates[-1]) / (reached + PRIOR_STEPS))
         return rates
+
+    def assume(self, rates: list[float], steps: float) -> None:
+        """As if `steps` steps had reached every position and measured `rates` (tests, and perfect drafts)."""
+        self.hits = [rate * steps for rate in rates]
+        self.reached = [float(steps)] * len(rates)
+
+    def record(self, drafted: int, accepted: int, memory: float, weight: float = 1.0) -> None:
+        """One step that drafted `drafted` positions, of which the first `accepted` passed: older steps fade by one.
+
+        Where every draft passed, the position just beyond counts `weight` of a step at the deepest one's estimate:
+        the next draft might have passed too. Else a deep position measured low once (a stretch of text the drafter
+        guessed badly) would keep k short for long, since short drafts never reach it to measure it again."""
+        keep = 1.0 - 1.0 / memory
+        beyond = self.acceptance()[drafted - 1] if accepted == drafted < len(self.hits) else None
+        self.hits = [h * keep for h in self.hits]
+        self.reached = [n * keep for n in self.reached]
+        for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
+            self.reached[position] += 1.0
+            self.hits[position] += 1.0 if position < accepted else 0.0
+        if beyond is not None:
+            self.reached[drafted] += weight
+            self.hits[drafted] += weight * beyond
 
 
 @dataclass
@@ -128,11 +161,15 @@ class AdaptiveController:
     # parts (drafting and the forward): see observe_step
     step_overhead: dict[tuple[str | None, int], float] = field(default_factory=dict)
     plain_batches: set[int] = field(default_factory=set)  # batch sizes whose plain step was measured (observe_forward)
+    seeded: dict[int, float] = field(default_factory=dict)  # seeded one-row forwards by tokens, until a step checks them
+    seeded_drafts: set[str] = field(default_factory=set)  # sources whose draft cost is the seed's
+    stale_seed: float | None = None  # a step's forward over its seed, where they differed by more than SEED_TOLERANCE
+    seeded_catch_up: bool = False  # whether catch_up_per_token is the seed's
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
             k_max = self.settings.k_max
-            self.sources[name] = _Averages([self.settings.prior_acceptance] * k_max, reached=[0] * k_max, name=name)
+            self.sources[name] = _Averages.start(k_max, self.settings.prior_acceptance, name)
         return self.sources[name]
 
     def seed(
@@ -141,13 +178,24 @@ class AdaptiveController:
     ) -> None:
         """Start from costs measured before any step: seconds of a target forward by tokens in it, of one draft
         position by source (a batch of one), of a draft-model catch-up per token. What steps measure later
-        moves them as it moves any average."""
+        moves them as it moves any average.
+
+        All of them were timed in one moment, perhaps a loaded one, and may have been remembered from it: the first
+        one-row forward a step measures at a seeded size checks them, and where it took SEED_TOLERANCE times
+        more or less, the seeds are stale (stale_seed says so): the forwards still unmeasured are scaled by that
+        factor and the draft and catch-up seeds dropped, to be measured when drafted. Else a draft seeded 50 times
+        too dear (a load slows the two models unequally), never drafted again to be measured, rules drafting out
+        for good."""
         for tokens, seconds in verify_cost.items():
             self.verify_cost.setdefault(tokens, seconds)
+            self.seeded.setdefault(tokens, seconds)
         for source, seconds in (draft_cost or {}).items():
-            self._source(source).draft_cost.setdefault(1, seconds)
+            if not self._source(source).draft_cost:
+                self._source(source).draft_cost[1] = seconds
+                self.seeded_drafts.add(source)
         if self.catch_up_per_token is None:
             self.catch_up_per_token = catch_up_per_token
+            self.seeded_catch_up = catch_up_per_token is not None
 
     def _verify_seconds(self, tokens: int) -> float | None:
         """Measured cost of a forward over `tokens`, linearly inter/extrapolated from what was seen."""
@@ -262,6 +310,19 @@ class AdaptiveController:
             k = 0
         return k, averages
 
+    def still_pays(self, k: int, source: str, batch_size: int, drafting_rows: int) -> bool:
+        """Whether k drafts from `source` for only `drafting_rows` of the batch still beat plain decoding by the margin
+        choose_k asks: when rows chosen to draft drop out after choose_k (a draft cache too far behind to catch up),
+        the verify pass is as wide for every row and only the rows left gain."""
+        if k == 0 or drafting_rows == 0:
+            return False
+        averages = self._source(source)
+        plain, drafting = self.expected_rate(0, averages, batch_size), self.expected_rate(k, averages, batch_size, drafting_rows)
+        if plain is None or drafting is None:
+            return True
+        margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
+        return drafting >= (1 + margin) * plain
+
     def choose_row_ks(
         self, batch_size: int, source: str, row_acceptance: list[list[float]], other_tokens: int, k_cap: list[int]
     ) -> list[int] | None:
@@ -324,7 +385,8 @@ class AdaptiveController:
         plain decoding is chosen on cost alone and a probe could only confirm it.
         """
         k_max = self.settings.k_max
-        perfect = _Averages([1.0] * k_max, averages.draft_cost, [MIN_REACHED] * k_max, averages.name)
+        perfect = _Averages.start(k_max, 1.0, averages.name)
+        perfect.draft_cost = averages.draft_cost
         plain = self.expected_rate(0, perfect, batch_size)
         rates = [self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, k_max + 1)]
         return max(rates) > (1 + self.settings.min_gain) * (plain or 0.0)
@@ -347,30 +409,19 @@ class AdaptiveController:
         None also where the forward carried other work (a prompt chunk), which tells nothing of what
         verifying costs.
         """
-        w = self.settings.smoothing
         if verify_seconds is not None:
             self.observe_forward(verify_tokens, verify_seconds)
         if drafted == 0:
             return
         averages = self._source(source)
-        for position in range(min(drafted, accepted + 1)):  # positions reached: all accepted, then the first rejected
-            hit = 1.0 if position < accepted else 0.0
-            averages.alpha[position] = moving_average(averages.alpha[position], hit, w)
-            averages.reached[position] += 1
-        if accepted == drafted < len(averages.alpha):
-            # Every draft passed, so the next one might have too: the position just beyond moves towards the deepest
-            # one's estimate, as much as one step's observation moves it (a batch's rows share it). Else a deep position
-            # measured low once (a stretch of text the drafter guessed badly) would keep k short for good, since short
-            # drafts never reach it to measure it again: a server warmed up on a chat request then drafted k = 1 on
-            # code at 95% acceptance (1.8 tokens per forward, against 3.9).
-            averages.alpha[drafted] = moving_average(
-                averages.alpha[drafted], averages.alpha[drafted - 1], w / max(batch_size, 1)
-            )
+        averages.record(drafted, accepted, self.settings.acceptance_memory, 1.0 / max(batch_size, 1))
         if self.probing and accepted:
             # A probe that passed is drafting worth trying again, and measuring as it really drafts: a probe may see
             # only the latest tokens (a draft model's window), which a chat answer's first guesses need more than.
-            averages.alpha[0] = max(averages.alpha[0], self.settings.prior_acceptance)
+            averages.forget_first()
+        w = self.settings.smoothing
         per_position = draft_seconds / drafted
+        self.seeded_drafts.discard(source)
         averages.draft_cost[batch_size] = moving_average(
             averages.draft_cost.get(batch_size), per_position, w / max(batch_size, 1)
         )
@@ -383,10 +434,28 @@ class AdaptiveController:
         """Record one verify forward over `tokens` tokens in all, of `rows` rows: it took `seconds`."""
         if tokens == rows:
             self.plain_batches.add(rows)
+        if rows == 1 and tokens in self.seeded:
+            self._check_seeds(seconds / self.seeded[tokens])
         average = self.verify_cost.get(tokens)
         if average is not None:
             seconds = min(seconds, SLOW_FORWARD_CLIP * average)
         self.verify_cost[tokens] = moving_average(average, seconds, self.settings.smoothing)
+
+    def _check_seeds(self, ratio: float) -> None:
+        """The first step's one-row forward over its seed: beyond SEED_TOLERANCE either way, the forwards still
+        unmeasured are scaled by it, and the seeded draft position and catch-up forgotten. Checked once."""
+        seeded, self.seeded = self.seeded, {}
+        if 1 / SEED_TOLERANCE <= ratio <= SEED_TOLERANCE:
+            return
+        self.stale_seed = ratio
+        for tokens, seconds in seeded.items():
+            if self.verify_cost.get(tokens) == seconds:
+                self.verify_cost[tokens] = seconds * ratio
+        for source in self.seeded_drafts:
+            del self.sources[source].draft_cost[1]
+        self.seeded_drafts.clear()
+        if self.seeded_catch_up:
+            self.catch_up_per_token, self.seeded_catch_up = None, False
 
     def observe_step(self, source: str | None, batch_size: int, seconds: float, priced_seconds: float) -> None:
         """Record a whole step of `batch_size` sequences in which only `source` drafted (None: a plain step):
@@ -398,6 +467,7 @@ class AdaptiveController:
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """Record a draft model feeding `tokens` committed tokens it had not seen (a prompt, plain steps)."""
         if tokens > 0:
+            self.seeded_catch_up = False
             self.catch_up_per_token = moving_average(self.catch_up_per_token, seconds / tokens, self.settings.smoothing)
 
     def catch_up_pays(

@@ -11,9 +11,13 @@ there: the trace holds every choice's outcome.
 `replay` serves the traces to a number of clients, each taking the next request when its last one ends, as the
 scheduler batches them: each step every row proposes from the first source of the composite order that has a
 proposal there, the real `AdaptiveController` picks k per source (or a fixed k), the step costs what the
-recorded costs say, and the controller observes what the scheduler would hand it. Left out: a draft model's
-catch-up (its cache behind the sequence; the recorded draft costs are those of caught-up rows), per-row k, and
-chunked prefill (a prompt's prefill stalls the batch, the same for every setting).
+recorded costs say, and the controller observes what the scheduler would hand it. A batched draft source (the
+draft model, the head) keeps a cache per row: a row it did not draft for (its prompt, plain steps, lookup steps)
+falls behind, and drafting again first catches up on those tokens. As the scheduler does, a row further behind
+than LONG_TAIL drafts only where the controller's catch_up_pays says the saving covers it (the first such row
+while no catch-up was measured), and a probe's row far behind catches up on its last PROBE_WINDOW tokens only.
+Left out: per-row k, the per-step cap on catch-up tokens, and chunked prefill (a prompt's prefill stalls the
+batch, the same for every setting).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verispec.drafters.base import LONG_TAIL
+from verispec.models.forward_cost import STEP_ROWS
 from verispec.policy import AdaptiveController, ControllerSettings
+from verispec.serving.scheduler import PROBE_WINDOW
 
 K_MAX = ControllerSettings().k_max  # the deepest draft a trace records (a run of K_MAX: at least that many)
 LOOKUP_SOURCES = ("suffix-index", "prompt-lookup")  # sources that propose only where the context recurs
@@ -55,6 +62,7 @@ class Costs:
     draft: dict[str, dict[int, float]]  # source -> rows -> one draft position for that many rows
     step_overhead: float  # a step's seconds besides its drafts and its forward (sampling, acceptance, Python)
     prefill_per_token: float  # a prompt's prefill, per token
+    catch_up: dict[str, float] = field(default_factory=dict)  # batched source -> seconds per token it catches up on
 
     def forward_seconds(self, rows: int, width: int) -> float:
         """One target forward over `rows` rows of `width` tokens each (interpolated between recorded sizes)."""
@@ -63,6 +71,13 @@ class Costs:
 
     def draft_seconds(self, source: str, rows: int) -> float:
         return _line(self.draft[source], rows)
+
+    def catch_up_seconds(self, source: str) -> float:
+        """Seconds per token a batched source catches up on; where not recorded, the target's prefill per token
+        scaled by that source's one-row draft position over the target's one-row forward (a smaller model's)."""
+        if source in self.catch_up:
+            return self.catch_up[source]
+        return self.prefill_per_token * self.draft_seconds(source, 1) / self.forward_seconds(1, 1)
 
     @classmethod
     def from_json(cls, path: Path) -> "Costs":
@@ -73,6 +88,7 @@ class Costs:
             draft={source: {int(r): s for r, s in rows.items()} for source, rows in data["draft"].items()},
             step_overhead=data["step_overhead"],
             prefill_per_token=data["prefill_per_token"],
+            catch_up=data.get("catch_up_per_token", {}),
         )
 
 
@@ -104,10 +120,16 @@ class Outcome:
 class _Row:
     trace: Trace
     position: int = 0  # answer tokens committed
+    seen: int = 0  # tokens of the sequence (prompt, then answer) the batched draft source has in its cache
 
     @property
     def remaining(self) -> int:
         return self.trace.answer_tokens - self.position
+
+    @property
+    def behind(self) -> int:
+        """Tokens the batched draft source must catch up on before it drafts (the newest goes with the draft)."""
+        return max(self.trace.prompt_tokens + self.position - 1 - self.seen, 0)
 
 
 def _source_at(row: _Row, order: tuple[str, ...]) -> str | None:
@@ -121,13 +143,18 @@ def _source_at(row: _Row, order: tuple[str, ...]) -> str | None:
 
 def seeded_controller(costs: Costs, order: tuple[str, ...], settings: ControllerSettings | None = None
                       ) -> AdaptiveController:
-    """A controller seeded as the scheduler seeds it before the first request: one row's forwards by tokens and one
-    row's draft position of the batched source."""
+    """A controller seeded as the scheduler seeds it before the first request (forward_cost.step_costs): one row's
+    forwards by tokens, one row's draft position of the batched source and its catch-up per token."""
     controller = AdaptiveController(settings or ControllerSettings())
-    verify = {n: costs.forward_seconds(1, n) for n in (1, 2, 4, 8, 16)}
-    model = [source for source in order if source not in LOOKUP_SOURCES]
-    controller.seed(verify, {model[0]: costs.draft_seconds(model[0], 1)} if model else {})
+    verify = {n: costs.forward_seconds(1, n) for n in STEP_ROWS}
+    model = _batched(order)
+    controller.seed(verify, {model: costs.draft_seconds(model, 1)} if model else {}, costs.catch_up_seconds(model) if model else None)
     return controller
+
+
+def _batched(order: tuple[str, ...]) -> str | None:
+    """The order's batched draft source (a model or head drafting for all rows in one forward), if any."""
+    return next((source for source in order if source not in LOOKUP_SOURCES), None)
 
 
 def replay(costs: Costs, traces: list[Trace], clients: int, order: tuple[str, ...], k: int | str = "auto",
@@ -154,9 +181,13 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
     n = len(active)
     sources = [_source_at(row, order) if k != 0 else None for row in active]
     rows = Counter(source for source in sources if source is not None)
-    chosen = {source: (controller.choose_k(n, source, count) if k == "auto" else int(k)) for source, count in rows.items()}
+    chosen, probing = {}, False
+    for source, count in rows.items():
+        chosen[source] = controller.choose_k(n, source, count) if k == "auto" else int(k)
+        probing = probing or (k == "auto" and controller.probing and source == _batched(order))
     ks = [0 if source is None else max(0, min(chosen[source], row.remaining - 1, K_MAX))
           for row, source in zip(active, sources)]
+    catching_up = _catch_ups(costs, controller, active, sources, ks, _batched(order), probing, k == "auto")
     drafting = {}  # source -> (seconds of its drafts this step, deepest draft)
     for source in rows:
         depth = max((kk for kk, s in zip(ks, sources) if s == source), default=0)
@@ -166,7 +197,7 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
     width = 1 + max(ks)
     forward = costs.forward_seconds(n, width)
     spent = sum(seconds for seconds, _ in drafting.values())
-    step = spent + forward + costs.step_overhead
+    step = catching_up + spent + forward + costs.step_overhead
     controller.observe_forward(n * width, forward, rows=n)
     for row, source, drafted in zip(active, sources, ks):
         run = row.trace.runs[source][row.position] if drafted else 0
@@ -176,12 +207,55 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
             controller.observe(source, drafted, accepted, seconds * drafted / depth, n * width, None, batch_size=n)
         committed = min(accepted + 1, row.remaining)
         row.position += committed
+        if drafted and source == _batched(order):  # its cache holds the accepted drafts; the bonus token comes next
+            row.seen = row.trace.prompt_tokens + row.position - 1
         outcome.tokens += committed
     if len(drafting) <= 1:  # a whole step, one source's or plain (as the scheduler observes it)
-        controller.observe_step(next(iter(drafting), None), n, step, spent + forward)
+        controller.observe_step(next(iter(drafting), None), n, step - catching_up, spent + forward)
     outcome.seconds += step
     outcome.steps += 1
     outcome.chosen[max(ks)] += 1
+
+
+def _catch_ups(costs: Costs, controller: AdaptiveController, active: list[_Row], sources: list[str | None],
+               ks: list[int], model: str | None, probing: bool, auto: bool) -> float:
+    """Seconds the batched source spends catching rows up before it drafts; rows it will not catch up get k = 0 (as
+    the scheduler's _draft and _worth_catching_up decide). Changes ks and the rows' seen in place."""
+    wants = [kk > 0 and source == model for kk, source in zip(ks, sources)]
+    if model is None or not any(wants):
+        return 0.0
+    if probing:  # a probe drafts the rows caught up, else its first row on its last PROBE_WINDOW tokens
+        current = [w and row.behind <= LONG_TAIL for w, row in zip(wants, active)]
+        first = wants.index(True)
+        keep = current if any(current) else [b == first for b in range(len(active))]
+        if not any(current) and active[first].behind > PROBE_WINDOW:
+            active[first].seen = active[first].trace.prompt_tokens + active[first].position - 1 - PROBE_WINDOW
+    else:
+        keep, measuring, spent = list(wants), False, 0.0
+        for b in sorted(range(len(active)), key=lambda b: active[b].behind):
+            if not wants[b] or active[b].behind <= LONG_TAIL or not auto:
+                continue
+            pays = controller.catch_up_pays(active[b].behind, active[b].remaining, ks[b], model, len(active), spent)
+            if pays is None:
+                pays, measuring = not measuring, True
+            elif pays:
+                spent += active[b].behind * controller.catch_up_per_token
+            keep[b] = pays
+        if sum(keep) < sum(wants):  # as the scheduler: do the rows left still pay for the wider verify pass?
+            others = sum(1 for kk, source in zip(ks, sources) if kk > 0 and source != model)
+            depth = max(kk for kk, w in zip(ks, wants) if w)
+            if not controller.still_pays(depth, model, len(active), sum(keep) + others):
+                keep = [False] * len(active)
+    tokens = 0
+    for b, row in enumerate(active):
+        if wants[b] and not keep[b]:
+            ks[b] = 0
+        elif keep[b] and row.behind > LONG_TAIL:  # a short tail goes with the first draft forward
+            tokens += row.behind
+    seconds = tokens * costs.catch_up_seconds(model)
+    if tokens:
+        controller.observe_catch_up(seconds, tokens)
+    return seconds
 
 
 def speedup(costs: Costs, traces: list[Trace], clients: int, order: tuple[str, ...], k: int | str = "auto",

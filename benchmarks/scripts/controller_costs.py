@@ -1,6 +1,7 @@
 """What a step's parts cost on this machine, as verispec.replay reads them (benchmarks/results/<kind>/
 controller-costs.json): target forwards by rows and width, a draft position of the draft model, the draft head and
-the suffix index by rows, a step's overhead and a prompt's prefill per token.
+the suffix index by rows, a draft model's and the head's catch-up per token, a step's overhead and a prompt's prefill
+per token.
 
     .venv/bin/python benchmarks/scripts/controller_costs.py --out benchmarks/results/xeon/controller-costs-6-207.json
 
@@ -23,11 +24,11 @@ from verispec import GenerationConfig, SpeculativeEngine, load_model
 from verispec.bench.machine import git_commit, machine_kind, machine_line
 from verispec.drafters import HEAD_DRAFT, load_draft_model, make_drafter
 from verispec.drafters.draft_head import HeadForwarding, load_head
-from verispec.models.forward_cost import cost_token_ids
+from verispec.models.forward_cost import CATCH_UP_TOKENS, cost_token_ids
 from verispec.sampling import SamplingParams
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-ROWS, WIDTHS, DRAFT_ROWS = (1, 4, 16), (1, 2, 3, 5, 9), (1, 4, 16)
+ROWS, WIDTHS, DRAFT_ROWS = (1, 4, 16), (1, 2, 3, 4, 5, 8, 9), (1, 4, 16)  # widths: k = 0-4, 7, 8 (and the seeds')
 CONTEXT = 256
 
 
@@ -47,6 +48,20 @@ def timed(model, shapes: list[tuple[int, int]], rounds: int, label: str) -> dict
             model.forward(ids, caches[rows])
             seconds[(rows, width)].append(time.perf_counter() - started)
     return {shape: statistics.median(values[1:]) for shape, values in seconds.items()}
+
+
+def catch_up_seconds(model, rounds: int) -> float:
+    """Seconds per token of one row's catch-up: a forward over CATCH_UP_TOKENS tokens after CONTEXT, never committed."""
+    cache = model.new_cache(1, CONTEXT + CATCH_UP_TOKENS)
+    model.forward(cost_token_ids(CONTEXT, model.vocab_size, 1000), cache, last_only=True)
+    cache.commit(CONTEXT)
+    ids = cost_token_ids(CATCH_UP_TOKENS, model.vocab_size, 7)
+    seconds = []
+    for _ in range(rounds + 1):
+        started = time.perf_counter()
+        model.forward(ids, cache, last_only=True)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:]) / CATCH_UP_TOKENS
 
 
 def suffix_seconds(target, rounds: int) -> float:
@@ -85,6 +100,7 @@ def main() -> None:
     drafts = {"draft-model": timed(draft.model, [(r, 1) for r in DRAFT_ROWS], args.rounds, "draft model")}
     head = HeadForwarding(load_head(HEAD_DRAFT, target), target.model.vocab_size)
     drafts["draft-head"] = timed(head, [(r, 1) for r in DRAFT_ROWS], args.rounds, "draft head")
+    catch_up = {"draft-model": catch_up_seconds(draft.model, args.rounds), "draft-head": catch_up_seconds(head, args.rounds)}
     lookup = suffix_seconds(target, args.rounds)
     cache = target.model.new_cache(1, 513)
     started = time.perf_counter()
@@ -100,12 +116,14 @@ def main() -> None:
             **{source: {str(r): round(s, 6) for (r, _), s in costs.items()} for source, costs in drafts.items()},
             "suffix-index": {"1": round(lookup, 7), "16": round(16 * lookup, 7)},
         },
+        "catch_up_per_token": {source: round(seconds, 7) for source, seconds in catch_up.items()},
         "step_overhead": round(step_overhead(target, forward[(1, 1)]), 6),
         "prefill_per_token": round(prefill_per_token, 7),
         "sources": [f"measured by benchmarks/scripts/controller_costs.py at {git_commit()}"],
         "derived": (f"forwards: medians of {args.rounds} interleaved rounds after {CONTEXT} tokens per row; a draft "
                     "position: a one-token forward of that many rows; suffix-index: one 8-token proposal over a "
-                    "512-token recurring context per row, 16 rows = 16 proposals; step_overhead: a plain 64-token "
+                    "512-token recurring context per row, 16 rows = 16 proposals; catch_up_per_token: one row's "
+                    f"{CATCH_UP_TOKENS}-token forward after {CONTEXT} / {CATCH_UP_TOKENS}; step_overhead: a plain 64-token "
                     "decode's seconds per step less the one-token forward; prefill: one 512-token forward / 512"),
         "lacks": "measured directly (one run)",
     }

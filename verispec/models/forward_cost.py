@@ -101,7 +101,8 @@ def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
 
     Remembered per machine, weights, formats and threads where both models are named (a draft loaded by
     load_draft_model carries its weights' directory): the same models then start from the same costs without
-    timing them again. What the steps measure later moves these as it moves any measured cost.
+    timing them again. What the steps measure later moves these as it moves any measured cost. "remembered":
+    the record's kind (forget_choice drops it, so that the next start times again), None where not remembered.
     """
 
     def measure() -> dict:
@@ -117,7 +118,7 @@ def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
 
     check = getattr(draft, "format_check", None)
     if draft is not None and check is None:  # an unnamed draft (built in memory): timed, not remembered
-        measured = measure()
+        measured, kind = measure(), None
     else:
         draft_name = "none" if draft is None else f"{weights_identity(check.directory)} {check.chosen}"
         if getattr(draft, "output_token_ids", None) is not None:  # a head over fewer tokens (draft_vocab)
@@ -126,7 +127,7 @@ def step_costs(target: "LoadedModel", draft: Forwarding | None = None) -> dict:
         kind = (f"step costs | target {weights_identity(target.directory)} {target_format} | draft {draft_name}"
                 f" | {torch.get_num_threads()} threads | kernels {w4a8.build_digest()}")
         measured = remembered_choice(kind, measure)
-    return measured | {"verify": {int(n): seconds for n, seconds in measured["verify"].items()}}
+    return measured | {"verify": {int(n): seconds for n, seconds in measured["verify"].items()}, "remembered": kind}
 
 
 def _catch_up_seconds(draft: Forwarding, rounds: int = STEP_ROUNDS) -> float:

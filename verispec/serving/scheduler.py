@@ -44,6 +44,7 @@ from verispec.config import GenerationConfig
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
 from verispec.models.forward_cost import step_costs
 from verispec.models.loading import LoadedModel, load_model
+from verispec.models.machine import forget_choice
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import (
     AdaptiveController, ControllerSettings, estimated_forward_seconds, largest_fitting_chunk, moving_average,
@@ -248,6 +249,7 @@ class Scheduler:
         self.feeds_head = isinstance(self.draft, BatchedDraftHead)  # the target's forwards hand on hidden states
         self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
         self.target_format_replacements = 0  # how often a target format found slow while serving was replaced
+        self._remembered_costs: str | None = None  # the remembered step costs' kind, until a step checked them
         if self.k == "auto" and not self.controller.verify_cost:
             # The first steps choose by the forwards' costs (remembered per machine), not by trying: where no draft
             # can pay, the first request does not pay for learning it (a prompt's catch-up, a k of first_k).
@@ -256,6 +258,7 @@ class Scheduler:
                 costs["draft"], costs["catch_up_per_token"] = self.draft.timed_costs()
             drafts = {self.batched_source: costs["draft"]} if costs["draft"] is not None else {}
             self.controller.seed(costs["verify"], drafts, costs["catch_up_per_token"])
+            self._remembered_costs = costs["remembered"]
         self.active: list[_Sequence] = []  # active[i] lives in cache row i
         self._prefilling: _Sequence | None = None  # the prompt going in, in row len(active)
         self._step_seconds: float | None = None  # moving average of a decoding step
@@ -689,7 +692,13 @@ class Scheduler:
         if self.draft is not None and self.k == "auto" and not probing:
             # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (a
             # cold first measurement had a server never draft again: benchmarks/results/zen5/kernel-interleave-zen5).
-            drafting = self._worth_catching_up(drafting, k_per_row)
+            kept = self._worth_catching_up(drafting, k_per_row)
+            if sum(kept) < sum(drafting):  # rows dropped out: do the rows left still pay for the wider verify pass?
+                others = sum(1 for k, source in zip(k_per_row, sources) if k > 0 and source != model)
+                k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
+                if not self.controller.still_pays(k_step, model, len(active), sum(kept) + others):
+                    kept = [False] * len(active)
+            drafting = kept
         if self.draft is not None and any(drafting):
             started = time.perf_counter()
             k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
@@ -853,6 +862,9 @@ class Scheduler:
         forward_seconds = finished_at - verifying
         if not chunk:  # a forward that carried a chunk says nothing of what verifying costs
             self.controller.observe_forward(verify_tokens, forward_seconds, rows=n)
+            if self.controller.stale_seed is not None and self._remembered_costs is not None:
+                forget_choice(self._remembered_costs)  # timed in a loaded moment: the next start times them again
+                self._remembered_costs = None
         if not chunk and verify_tokens == 1:  # a plain one-token forward: what the target's format check compares
             self._check_target_format(forward_seconds)
         if chunk:  # what carrying it cost, to size the next chunk (_packed_chunk)
