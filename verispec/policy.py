@@ -5,8 +5,8 @@ verify pass cost, and both sides differ by machine, model pair and workload. So 
 measures them online, on this machine, during the request:
 
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
-  positions before it were: decayed counts, hits over steps that reached it (each step weighs
-  1 - 1/acceptance_memory less per later step of that source), shrunk towards a prior worth
+  positions before it were: decayed counts, hits over steps that reached it (each step of that
+  source counts 1 - 1/acceptance_memory times as much as the one after it), shrunk towards a prior worth
   PRIOR_STEPS steps: prior_acceptance for the first position, the estimate of the position before
   for every later one. A position hardly reached (deeper than the drafts tried) thus reads as the one
   before it, and what it measured long ago fades into that; a new source learns from its first few
@@ -77,7 +77,7 @@ def moving_average(average: float | None, value: float, weight: float) -> float:
 class ControllerSettings:
     k_max: int = 8  # longest draft considered
     smoothing: float = 0.15  # weight of the newest observation in every moving average of a cost
-    acceptance_memory: float = 32.0  # steps of a source its acceptance counts remember (see _Acceptance)
+    acceptance_memory: float = 32.0  # steps of a source its acceptance counts remember (see _Averages)
     prior_acceptance: float = 0.7  # optimistic start, so speculation is tried before it is judged
     probe_every: int = 8  # after this many plain steps in a row (times the batch size), try k = 1 once
     first_k: int = 4  # k of the very first step, before anything was measured
@@ -90,7 +90,7 @@ class ControllerSettings:
 # probe makes a draft model catch up on every token since the last one (on Zen 3, probes every 8 steps cost a
 # request 10% with nothing to find).
 MAX_PROBE_BACKOFF = 16
-SEED_TOLERANCE = 2.0  # seeds a step's forward finds this many times off (either way) are scaled to it (see seed)
+SEED_TOLERANCE = 2.0  # seeds a step's forward finds this many times off (either way) are stale (see seed)
 SLOW_FORWARD_CLIP = 1.25  # a forward measured slower than this times its average counts as this (see verify_cost)
 ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
 PRIOR_STEPS = 2.0  # what a position's prior (prior_acceptance, or the position before) weighs, in steps
@@ -183,9 +183,9 @@ class AdaptiveController:
         All of them were timed in one moment, perhaps a loaded one, and may have been remembered from it: the first
         one-row forward a step measures at a seeded size checks them, and where it took SEED_TOLERANCE times
         more or less, the seeds are stale (stale_seed says so): the forwards still unmeasured are scaled by that
-        factor and the draft and catch-up seeds dropped, to be measured when drafted. Else a draft seeded 50 times
-        too dear (a load slows the two models unequally), never drafted again to be measured, rules drafting out
-        for good."""
+        factor and the draft and catch-up seeds dropped, to be measured when drafted. Else a draft seeded far too
+        dear (a load slows the two models unequally), never drafted again to be measured, rules drafting out for
+        good."""
         for tokens, seconds in verify_cost.items():
             self.verify_cost.setdefault(tokens, seconds)
             self.seeded.setdefault(tokens, seconds)
