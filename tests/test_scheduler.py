@@ -704,3 +704,24 @@ def test_lookups_are_planned_for_as_many_rows_as_last_found_a_recurring_context(
     assert step(pays_for_all_rows) == 0  # so the plan is for one row, which does not pay
     scheduler._steps_since_lookups = step_module.LOOKUP_SHARE_STEPS
     assert step(pays_for_all_rows) == 3
+
+
+def test_step_costs_remembered_from_a_loaded_moment_are_forgotten_and_do_not_stop_drafting(target, monkeypatch):
+    """Remembered step costs timed while the machine was busy (every forward 20x its cost, the draft 50x) had a server
+    never draft. The first step finds the seeds stale: the controller drops the draft's seed and the record is
+    forgotten, so the next start times them again."""
+    import verispec.serving.scheduler as scheduler_module
+
+    def loaded_moment(target, draft=None):
+        return {"verify": {1: 1.1, 2: 1.1, 4: 1.5, 8: 1.5}, "draft": 0.95, "catch_up_per_token": 0.07,
+                "remembered": "step costs | a loaded moment"}
+
+    forgotten = []
+    monkeypatch.setattr(scheduler_module, "step_costs", loaded_moment)
+    monkeypatch.setattr(scheduler_module, "forget_choice", forgotten.append)
+    scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(1, 8, 256))
+    assert scheduler.controller.planned_k(1, "draft-model") == 0  # as seeded, a draft could never pay
+    events = run_all(scheduler, PROMPTS[:1], [GenerationConfig(max_new_tokens=24)])
+    assert forgotten == ["step costs | a loaded moment"]
+    assert scheduler.controller.stale_seed is not None and scheduler.controller.stale_seed < 0.5
+    assert events[0][-1].stats.drafted_tokens > 0  # a self-draft agrees: once its seed is gone it is tried

@@ -128,12 +128,14 @@ class _Averages:
         self.reached = [float(steps)] * len(rates)
 
     def record(self, drafted: int, accepted: int, memory: float, weight: float = 1.0) -> None:
-        """One step that drafted `drafted` positions, of which the first `accepted` passed: older steps fade by one.
+        """One row's step that drafted `drafted` positions, of which the first `accepted` passed; `weight`: the row's
+        share of its step (1 / batch size). Older observations fade by that share of a step: the memory is in
+        steps, so the rows of a batch each count, and a batch remembers as many steps as a single sequence.
 
         Where every draft passed, the position just beyond counts `weight` of a step at the deepest one's estimate:
         the next draft might have passed too. Else a deep position measured low once (a stretch of text the drafter
         guessed badly) would keep k short for long, since short drafts never reach it to measure it again."""
-        keep = 1.0 - 1.0 / memory
+        keep = (1.0 - 1.0 / memory) ** weight
         beyond = self.acceptance()[drafted - 1] if accepted == drafted < len(self.hits) else None
         self.hits = [h * keep for h in self.hits]
         self.reached = [n * keep for n in self.reached]

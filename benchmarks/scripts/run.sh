@@ -197,13 +197,14 @@ FAST_KERNELS_REQUESTS=${FAST_KERNELS_REQUESTS:-4,8,16} bash benchmarks/scripts/r
 defaults() {  # the machine matrix (issue 29): own plain against `verispec serve`'s defaults, 1 / 4 / 16 clients.
     # From a clean format-choices.json unless KEEP_CHOICES=1; llama.cpp plain beside them where `make peers` built it.
     # DEFAULTS_OUT names the folder; DEFAULTS_CONCURRENCY the client levels; DEFAULTS_REQUESTS the requests per level;
-    # DEFAULTS_WORKLOADS the workloads (names, or JSONL files under benchmarks/workloads/ by their stem).
+    # DEFAULTS_WORKLOADS the workloads (names, or JSONL files under benchmarks/workloads/ by their stem);
+    # DEFAULTS_PEERS=0 leaves llama.cpp out.
     local out=${DEFAULTS_OUT:-$R/defaults}
     [ "${KEEP_CHOICES:-0}" = 1 ] || rm -f "${VERISPEC_CACHE:-$HOME/.cache/verispec}/format-choices.json"
     local S="--threads 2 --max-batch-size 16 --max-context 2048"
     local L="--concurrency ${DEFAULTS_CONCURRENCY:-1,4,16} --requests ${DEFAULTS_REQUESTS:-4,8,16} --max-tokens 128"
     local llama=()
-    [ -x $P/.llama.cpp/bin/llama-server ] && llama=(--server llama.cpp-plain=http://127.0.0.1:8704/v1
+    [ "${DEFAULTS_PEERS:-1}" = 1 ] && [ -x $P/.llama.cpp/bin/llama-server ] && llama=(--server llama.cpp-plain=http://127.0.0.1:8704/v1
         --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8704")
     for workload in ${DEFAULTS_WORKLOADS:-humaneval chat}; do
         local source=$workload
@@ -215,6 +216,7 @@ defaults() {  # the machine matrix (issue 29): own plain against `verispec serve
     done
     stamp $out "DEFAULTS_OUT=$out DEFAULTS_CONCURRENCY=${DEFAULTS_CONCURRENCY:-1,4,16} \
 DEFAULTS_REQUESTS=${DEFAULTS_REQUESTS:-4,8,16} DEFAULTS_WORKLOADS='${DEFAULTS_WORKLOADS:-humaneval chat}' \
+DEFAULTS_PEERS=${DEFAULTS_PEERS:-1} \
 KEEP_CHOICES=${KEEP_CHOICES:-0} bash benchmarks/scripts/run.sh defaults"
 }
 
