@@ -438,3 +438,18 @@ def test_seeds_the_first_step_confirms_are_kept():
     assert controller.verify_cost[4] == 0.06 and controller._source("draft-model").draft_cost[1] == 0.02
     controller.observe_forward(1, 0.5)  # checked once: later forwards are averaged as usual
     assert controller.stale_seed is None and controller.verify_cost[2] == 0.052
+
+
+def test_acceptance_remembers_steps_whatever_the_batch():
+    """32 steps of drafts that pass, then 8 that fail: four rows a step remember those 40 steps as one row does
+    (the memory is in steps), so the estimate falls by as much either way; counted in rows, four rows forgot the
+    good stretch four times faster and a short bad one ruled drafting out."""
+    def after(batch_size: int) -> float:
+        controller = AdaptiveController()
+        for passed in [1] * 32 + [0] * 8:
+            for _ in range(batch_size):
+                controller.observe("draft-head", 1, passed, 0.001, 2 * batch_size, None, batch_size=batch_size)
+        return controller._source("draft-head").acceptance()[0]
+
+    assert after(4) == pytest.approx(after(1), abs=0.03)
+    assert 0.5 < after(4) < 0.9  # it moved, and still remembers the good stretch

@@ -123,7 +123,7 @@ class _Averages:
         return rates
 
     def assume(self, rates: list[float], steps: float) -> None:
-        """As if `steps` steps had reached every position and measured `rates` (tests, and perfect drafts)."""
+        """As if `steps` steps had reached every position and measured `rates`."""
         self.hits = [rate * steps for rate in rates]
         self.reached = [float(steps)] * len(rates)
 
@@ -163,7 +163,7 @@ class AdaptiveController:
     # parts (drafting and the forward): see observe_step
     step_overhead: dict[tuple[str | None, int], float] = field(default_factory=dict)
     plain_batches: set[int] = field(default_factory=set)  # batch sizes whose plain step was measured (observe_forward)
-    seeded: dict[int, float] = field(default_factory=dict)  # seeded one-row forwards by tokens, until a step checks them
+    seeded: dict[int, float] = field(default_factory=dict)  # seeded one-row forwards by tokens, until a step checks
     seeded_drafts: set[str] = field(default_factory=set)  # sources whose draft cost is the seed's
     stale_seed: float | None = None  # a step's forward over its seed, where they differed by more than SEED_TOLERANCE
     seeded_catch_up: bool = False  # whether catch_up_per_token is the seed's
@@ -319,7 +319,8 @@ class AdaptiveController:
         if k == 0 or drafting_rows == 0:
             return False
         averages = self._source(source)
-        plain, drafting = self.expected_rate(0, averages, batch_size), self.expected_rate(k, averages, batch_size, drafting_rows)
+        plain = self.expected_rate(0, averages, batch_size)
+        drafting = self.expected_rate(k, averages, batch_size, drafting_rows)
         if plain is None or drafting is None:
             return True
         margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain

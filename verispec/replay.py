@@ -148,7 +148,10 @@ def seeded_controller(costs: Costs, order: tuple[str, ...], settings: Controller
     controller = AdaptiveController(settings or ControllerSettings())
     verify = {n: costs.forward_seconds(1, n) for n in STEP_ROWS}
     model = _batched(order)
-    controller.seed(verify, {model: costs.draft_seconds(model, 1)} if model else {}, costs.catch_up_seconds(model) if model else None)
+    if model is None:
+        controller.seed(verify)
+    else:
+        controller.seed(verify, {model: costs.draft_seconds(model, 1)}, costs.catch_up_seconds(model))
     return controller
 
 

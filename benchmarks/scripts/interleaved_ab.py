@@ -45,7 +45,8 @@ def tokens_per_second(target, head, prompts: list[list[int]], rows: int, default
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, required=True)
-    parser.add_argument("--workload", default="humaneval", help="humaneval, chat, or a JSONL file's stem in benchmarks/workloads")
+    parser.add_argument("--workload", default="humaneval",
+                        help="humaneval, chat, or a JSONL file's stem in benchmarks/workloads")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=None, help="default: twice the rows, at least 8")
     args = parser.parse_args()
@@ -59,7 +60,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for defaults in ((False, True) if round_ % 2 == 0 else (True, False)):
             figures[defaults].append(tokens_per_second(target, head, prompts, args.rows, defaults))
-            print(f"round {round_} {'defaults' if defaults else 'plain'}: {figures[defaults][-1]:.2f} tok/s", flush=True)
+            name = "defaults" if defaults else "plain"
+            print(f"round {round_} {name}: {figures[defaults][-1]:.2f} tok/s", flush=True)
     ratios = [d / p for d, p in zip(figures[True], figures[False])]
     print(f"{args.workload}, {args.rows} rows: plain {statistics.median(figures[False]):.2f} tok/s, defaults "
           f"{statistics.median(figures[True]):.2f}; ratios {', '.join(f'{r:.3f}' for r in ratios)}; "

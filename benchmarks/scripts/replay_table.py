@@ -24,7 +24,8 @@ def main() -> None:
         for record in sorted(RESULTS.glob("*/controller-costs*.json")):
             costs = Costs.from_json(record)
             for name, order in ORDERS.items():
-                auto = [speedup(costs, traces, clients, order, "auto", requests) for clients, requests in CLIENTS.items()]
+                auto = [speedup(costs, traces, clients, order, "auto", requests)
+                        for clients, requests in CLIENTS.items()]
                 best, k = max((speedup(costs, traces, 1, order, k, CLIENTS[1]), k) for k in range(1, K_MAX + 1))
                 kind = f"{record.parent.name}/{record.stem}"
                 print(f"| {kind} | {workload.stem} | {name} | {' / '.join(f'{x:.2f}x' for x in auto)} | "
