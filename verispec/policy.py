@@ -304,13 +304,16 @@ class AdaptiveController:
         if any(rate is None for rate, _ in rates):  # this source's costs are not measured yet: try it
             return self.settings.first_k, averages
         best_rate, k = max(rates)
-        # Within noise of plain decoding a measured gain this small is no gain: it takes min_gain to start drafting,
-        # and half of it to go on (else an acceptance estimate that a few unlucky steps pulled down stops a drafter
-        # that pays on average).
-        margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
-        if k > 0 and best_rate < (1 + margin) * rates[0][0]:
+        if k > 0 and not self._beats_plain(best_rate, rates[0][0]):
             k = 0
         return k, averages
+
+    def _beats_plain(self, rate: float, plain_rate: float) -> bool:
+        """Within noise of plain decoding a measured gain this small is no gain: it takes min_gain to start drafting,
+        and half of it to go on (else an acceptance estimate that a few unlucky steps pulled down stops a drafter
+        that pays on average)."""
+        margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
+        return rate >= (1 + margin) * plain_rate
 
     def still_pays(self, k: int, source: str, batch_size: int, drafting_rows: int) -> bool:
         """Whether k drafts from `source` for only `drafting_rows` of the batch still beat plain decoding by the margin
@@ -321,10 +324,42 @@ class AdaptiveController:
         averages = self._source(source)
         plain = self.expected_rate(0, averages, batch_size)
         drafting = self.expected_rate(k, averages, batch_size, drafting_rows)
-        if plain is None or drafting is None:
-            return True
-        margin = self.settings.min_gain / 2 if self.drafted_last else self.settings.min_gain
-        return drafting >= (1 + margin) * plain
+        return plain is None or drafting is None or self._beats_plain(drafting, plain)
+
+    def catch_up_rows(
+        self, source: str, wanted: list[bool], behind: list[int], remaining: list[int], k_per_row: list[int],
+        long_tail: int,
+    ) -> list[bool]:
+        """Which of the rows `wanted` to draft from a batched `source` (a draft model or head) are worth it, given how
+        far behind the sequence each row's draft cache is and the tokens it has left.
+
+        A row further behind than `long_tail` must first catch up: a new sequence's draft cache is empty, so its
+        first draft feeds the whole prompt to the draft model (and after plain steps, what they committed). Alone
+        a request wins that back in a few steps; in a batch whose verify pass is compute-bound drafting saves little
+        per token, and 16 prompts fed at once cost seconds. Every catch-up stalls the whole batch and the saving is
+        the batch's, so the rows that catch up in one step share one saving: they are taken nearest first while it
+        covers them all (catch_up_pays). Until a catch-up has been timed, only the first such row catches up.
+        """
+        kept, measuring, spent = list(wanted), False, 0.0
+        for row in sorted(range(len(wanted)), key=behind.__getitem__):
+            if not wanted[row] or behind[row] <= long_tail:
+                continue
+            pays = self.catch_up_pays(behind[row], remaining[row], k_per_row[row], source, len(wanted), spent)
+            if pays is None:
+                pays, measuring = not measuring, True
+            elif pays:
+                spent += behind[row] * self.catch_up_per_token
+            kept[row] = pays
+        return kept
+
+    def rows_left_pay(self, source: str, wanted: list[bool], kept: list[bool], k_per_row: list[int]) -> list[bool]:
+        """`kept` of the rows `wanted` to draft from `source`, if they still pay for the batch's verify pass as wide as
+        before (still_pays; rows other sources draft for count among them); else none."""
+        if sum(kept) == sum(wanted):
+            return kept
+        others = sum(1 for k, wants in zip(k_per_row, wanted) if k > 0 and not wants)
+        depth = max(k for k, wants in zip(k_per_row, wanted) if wants)
+        return kept if self.still_pays(depth, source, len(wanted), sum(kept) + others) else [False] * len(wanted)
 
     def choose_row_ks(
         self, batch_size: int, source: str, row_acceptance: list[list[float]], other_tokens: int, k_cap: list[int]

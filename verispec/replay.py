@@ -181,16 +181,16 @@ def replay(costs: Costs, traces: list[Trace], clients: int, order: tuple[str, ..
 
 def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], order: tuple[str, ...],
           k: int | str, outcome: Outcome) -> None:
-    n = len(active)
+    n, model = len(active), _batched(order)
     sources = [_source_at(row, order) if k != 0 else None for row in active]
     rows = Counter(source for source in sources if source is not None)
     chosen, probing = {}, False
     for source, count in rows.items():
         chosen[source] = controller.choose_k(n, source, count) if k == "auto" else int(k)
-        probing = probing or (k == "auto" and controller.probing and source == _batched(order))
+        probing = probing or (k == "auto" and controller.probing and source == model)
     ks = [0 if source is None else max(0, min(chosen[source], row.remaining - 1, K_MAX))
           for row, source in zip(active, sources)]
-    catching_up = _catch_ups(costs, controller, active, sources, ks, _batched(order), probing, k == "auto")
+    catching_up = _catch_ups(costs, controller, active, sources, ks, model, probing, k == "auto")
     drafting = {}  # source -> (seconds of its drafts this step, deepest draft)
     for source in rows:
         depth = max((kk for kk, s in zip(ks, sources) if s == source), default=0)
@@ -210,7 +210,7 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
             controller.observe(source, drafted, accepted, seconds * drafted / depth, n * width, None, batch_size=n)
         committed = min(accepted + 1, row.remaining)
         row.position += committed
-        if drafted and source == _batched(order):  # its cache holds the accepted drafts; the bonus token comes next
+        if drafted and source == model:  # its cache holds the accepted drafts; the bonus token comes next
             row.seen = row.trace.prompt_tokens + row.position - 1
         outcome.tokens += committed
     if len(drafting) <= 1:  # a whole step, one source's or plain (as the scheduler observes it)
@@ -223,7 +223,7 @@ def _step(costs: Costs, controller: AdaptiveController, active: list[_Row], orde
 def _catch_ups(costs: Costs, controller: AdaptiveController, active: list[_Row], sources: list[str | None],
                ks: list[int], model: str | None, probing: bool, auto: bool) -> float:
     """Seconds the batched source spends catching rows up before it drafts; rows it will not catch up get k = 0 (as
-    the scheduler's _draft and _worth_catching_up decide). Changes ks and the rows' seen in place."""
+    the scheduler's _draft decides). Changes ks and the rows' seen in place."""
     wants = [kk > 0 and source == model for kk, source in zip(ks, sources)]
     if model is None or not any(wants):
         return 0.0
@@ -233,22 +233,12 @@ def _catch_ups(costs: Costs, controller: AdaptiveController, active: list[_Row],
         keep = current if any(current) else [b == first for b in range(len(active))]
         if not any(current) and active[first].behind > PROBE_WINDOW:
             active[first].seen = active[first].trace.prompt_tokens + active[first].position - 1 - PROBE_WINDOW
-    else:
-        keep, measuring, spent = list(wants), False, 0.0
-        for b in sorted(range(len(active)), key=lambda b: active[b].behind):
-            if not wants[b] or active[b].behind <= LONG_TAIL or not auto:
-                continue
-            pays = controller.catch_up_pays(active[b].behind, active[b].remaining, ks[b], model, len(active), spent)
-            if pays is None:
-                pays, measuring = not measuring, True
-            elif pays:
-                spent += active[b].behind * controller.catch_up_per_token
-            keep[b] = pays
-        if sum(keep) < sum(wants):  # as the scheduler: do the rows left still pay for the wider verify pass?
-            others = sum(1 for kk, source in zip(ks, sources) if kk > 0 and source != model)
-            depth = max(kk for kk, w in zip(ks, wants) if w)
-            if not controller.still_pays(depth, model, len(active), sum(keep) + others):
-                keep = [False] * len(active)
+    elif auto:  # the scheduler's decision (its _draft)
+        behind, remaining = [row.behind for row in active], [row.remaining for row in active]
+        keep = controller.catch_up_rows(model, wants, behind, remaining, ks, LONG_TAIL)
+        keep = controller.rows_left_pay(model, wants, keep, ks)
+    else:  # a fixed k drafts every row, however far behind
+        keep = wants
     tokens = 0
     for b, row in enumerate(active):
         if wants[b] and not keep[b]:

@@ -693,12 +693,7 @@ class Scheduler:
             # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (a
             # cold first measurement had a server never draft again: benchmarks/results/zen5/kernel-interleave-zen5).
             kept = self._worth_catching_up(drafting, k_per_row)
-            if sum(kept) < sum(drafting):  # rows dropped out: do the rows left still pay for the wider verify pass?
-                others = sum(1 for k, source in zip(k_per_row, sources) if k > 0 and source != model)
-                k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
-                if not self.controller.still_pays(k_step, model, len(active), sum(kept) + others):
-                    kept = [False] * len(active)
-            drafting = kept
+            drafting = self.controller.rows_left_pay(model, drafting, kept, k_per_row)
         if self.draft is not None and any(drafting):
             started = time.perf_counter()
             k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
@@ -781,30 +776,11 @@ class Scheduler:
         return max(LONG_TAIL + 1, int(self._step_seconds * PREFILL_MIN_SHARE / per_token))
 
     def _worth_catching_up(self, drafting: list[bool], k_per_row: list[int]) -> list[bool]:
-        """Rows far behind in the draft cache draft only where drafting saves the batch more than catching up costs.
-
-        A new sequence's draft cache is empty: its first draft feeds the whole prompt to the draft model
-        (and after plain steps, what they committed). Alone a request wins that back in a few steps; in a
-        batch whose verify pass is compute-bound drafting saves little per token, and 16 prompts fed at
-        once cost seconds. Every catch-up stalls the whole batch and the saving is the batch's, so the
-        rows that catch up in one step share one saving: they are taken nearest first while it covers
-        them all. Until a catch-up has been timed, only the first such row catches up.
-        """
-        keep, measuring, spent = list(drafting), False, 0.0
-        behind = {row: self.draft.behind(row, sequence.tokens) for row, sequence in enumerate(self.active)}
-        for row in sorted(range(len(self.active)), key=behind.__getitem__):
-            if not drafting[row] or behind[row] <= LONG_TAIL:
-                continue
-            pays = self.controller.catch_up_pays(
-                behind[row], self.active[row].remaining, k_per_row[row], self.batched_source,
-                len(self.active), spent,
-            )
-            if pays is None:
-                pays, measuring = not measuring, True
-            elif pays:
-                spent += behind[row] * self.controller.catch_up_per_token
-            keep[row] = pays
-        return keep
+        """The drafting rows, less those far behind in the draft cache that drafting would not win their catch-up
+        back for (AdaptiveController.catch_up_rows)."""
+        behind = [self.draft.behind(row, sequence.tokens) for row, sequence in enumerate(self.active)]
+        remaining = [sequence.remaining for sequence in self.active]
+        return self.controller.catch_up_rows(self.batched_source, drafting, behind, remaining, k_per_row, LONG_TAIL)
 
     def _step(self) -> None:
         active = self.active
