@@ -71,6 +71,21 @@ def test_stats_add_up(target, other):
         assert key in data
 
 
+def test_the_step_records_add_up_to_the_stats(target, other):
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+    result = spec.generate(PROMPTS[0], greedy(k=3))
+    stats, steps = result.stats, result.steps
+    assert len(steps) == stats.target_forwards and all(len(step.rows) == 1 for step in steps)
+    assert sum(step.rows[0].drafted for step in steps) == stats.drafted_tokens
+    assert sum(step.rows[0].accepted for step in steps) == stats.accepted_tokens
+    assert [sum(s.drafted_by_position[i] for s in steps if len(s.drafted_by_position) > i) for i in range(3)] == (
+        stats.drafted_by_position
+    )
+    assert {step.rows[0].source for step in steps if step.rows[0].drafted} == {"draft-model"}
+    assert all(step.forward_tokens == 1 + step.rows[0].drafted and step.chunk_tokens == 0 for step in steps)
+    assert all(0 < step.forward_seconds < step.seconds for step in steps)
+
+
 def test_same_seed_reproduces_and_seeds_differ(target, other):
     spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
     sampling = SamplingParams(temperature=1.0, top_p=0.95)

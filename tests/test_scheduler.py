@@ -445,13 +445,7 @@ def test_the_model_thread_loads_the_models_and_runs_every_step(target):
     def build() -> Scheduler:
         seen["build"].add(threading.get_ident())
         scheduler = Scheduler(target, limits=SchedulerLimits(max_batch_size=2, max_context=128))
-        step = scheduler._step
-
-        def recorded_step() -> None:
-            seen["step"].add(threading.get_ident())
-            step()
-
-        scheduler._step = recorded_step
+        scheduler.step_observers.append(lambda record: seen["step"].add(threading.get_ident()))
         return scheduler
 
     scheduler = start_in_model_thread(build)

@@ -11,10 +11,11 @@ same step is plain autoregressive decoding, through the same model code.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from verispec.config import GenerationConfig
+from verispec.core.step_record import StepRecord
 from verispec.drafters.base import Drafter
 from verispec.drafters.composite import CompositeDrafter
 from verispec.drafters.draft_format import current_draft
@@ -35,6 +36,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "stop" (eos or stop string) or "length"
     logprobs: list[TokenLogprob] | None = None  # one per token, when the config asked for them
+    steps: list[StepRecord] = field(default_factory=list)  # what each step drafted, accepted and cost
 
 
 class SpeculativeEngine:
@@ -113,6 +115,8 @@ class TextStream:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._steps: list[StepRecord] = []
+        scheduler.step_observers.append(self._steps.append)
         self._iterator = self._run()
 
     def __iter__(self) -> "TextStream":
@@ -153,7 +157,7 @@ class TextStream:
             if finish_reason is not None:
                 logprobs = self._logprobs if self.wants_logprobs else None
                 self.result = GenerationResult(
-                    "".join(self._text), list(self._token_ids), self.stats, finish_reason, logprobs
+                    "".join(self._text), list(self._token_ids), self.stats, finish_reason, logprobs, self._steps
                 )
             yield "".join(released)
             if finish_reason is not None:

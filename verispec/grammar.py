@@ -12,9 +12,10 @@ pass: a point-mass draft (a lookup) is cut at its first forbidden token, which i
 do (p is 0 there, so the token is rejected and the residual is p itself); a sampled draft keeps that
 token, whose rejection then draws from the residual max(p - q, 0), as the law requires.
 
-The engine is llguidance, chosen by measurement (benchmarks/results/zen5/grammar): on this CPU it computes a
-mask over Qwen's 151,936 ids in ~25-50 us (median) and compiles a schema in ~1 ms. xgrammar's masks take ~3 us
-but it depends on triton (a GPU compiler, 1 GB); outlines-core took 0.7-18 s to compile one schema.
+The engine is llguidance, chosen by measurement (benchmarks/results/zen5/grammar): its mask over a whole
+vocabulary costs little beside a forward, and it compiles a schema fast enough to do per request. xgrammar's
+masks are faster still but it depends on triton (a GPU compiler, 1 GB); outlines-core compiles a schema too
+slowly to do per request.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class SchemaError(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles JSON schemas into per-request grammars over one tokenizer (built once: ~1 s)."""
+    """Compiles JSON schemas into per-request grammars over one tokenizer (built once: a pass over its vocabulary)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         import llguidance.hf
@@ -168,8 +169,8 @@ _compilers_lock = threading.Lock()
 
 
 def compiler_for(target: "LoadedModel", eos_token_ids: Sequence[int] | None = None) -> GrammarCompiler:
-    """The grammar compiler for target's tokenizer and end ids (None: the model's own), built on first use (~2 s
-    for Qwen's 151,936 ids) and kept. SchemaError when the tokenizer cannot be used (not a fast tokenizer)."""
+    """The grammar compiler for target's tokenizer and end ids (None: the model's own), built on first use (a pass
+    over the whole vocabulary) and kept. SchemaError when the tokenizer cannot be used (not a fast tokenizer)."""
     eos = tuple(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
     key = (id(target), eos)
     with _compilers_lock:

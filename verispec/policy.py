@@ -15,15 +15,13 @@ measures them online, on this machine, during the request:
 - draft_cost[s](b): seconds per draft position from source s when b sequences draft together (one
   batched draft-model forward; ~0 for lookup), averaged per b and interpolated. Beyond the largest b
   measured it grows as the target's own forward grows from that size to b (both are forwards of
-  the same kind of model over b rows): a line through a single size was flat, which priced a
-  15-row draft forward (80 ms on an Intel Xeon) like a one-row one (15 ms), and a 15-client server
-  then drafted at a loss.
+  the same kind of model over b rows): a line through a single size is flat, and would price a
+  many-row draft forward like a one-row one, so a busy server would draft at a loss.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
   One forward is one observation however many rows it verified, and a forward slower than
-  SLOW_FORWARD_CLIP times the average counts as that: a batch's rows each observing their shared
-  forward gave the newest forward 93% of the weight at 16 rows, and one slow forward (200 ms where
-  they took 119, chat at 16 clients, Intel Xeon) then priced plain steps so high that the server
-  drafted at k = 2, 17% slower than plain, and never measured a plain step at 16 rows again.
+  SLOW_FORWARD_CLIP times the average counts as that. Counted once per row, a batch's shared forward
+  would outweigh all before it; and one forward slowed by something else on the machine would price
+  plain steps so high that the controller drafts at a loss and never measures a plain step again.
 
 With A_i = alpha_1 * ... * alpha_i, k drafts are expected to yield E(k) = 1 + A_1 + ... + A_k tokens
 per sequence; a batch of b sequences spends draft_cost(b) * k + verify_cost(b * (k + 1)) seconds on
@@ -42,12 +40,12 @@ A draft model's probe row far behind sees only the latest tokens (the scheduler'
 probe costs the same however long the text.
 
 The cost model leaves out what a step costs besides the draft and the verify pass (sampling, acceptance,
-a draft model's small catch-ups, Python), which differs between drafting and plain steps; on an AVX2-only
-CPU it predicted a 13% gain from k = 1 where whole steps measured none. So whole steps are measured too:
+a draft model's small catch-ups, Python), which differs between drafting and plain steps, so it can predict
+a gain from a short draft where whole steps measure none. So whole steps are measured too:
 the seconds each whole step took beyond what the model prices (its drafting and its forward), per source
 that drafted (None: plain) and batch size (observe_step); that overhead joins the step's cost. An overhead,
 not a rate: seconds per committed token would mix a step's luck (how many drafts passed) into its cost, and
-one unlucky first draft then kept a lookup that passes 86% of the time from ever drafting again.
+one unlucky first draft could keep a lookup that usually passes from ever drafting again.
 
 Costs measured before the first request (the whole forwards of both models, `seed`) let the first steps
 choose by them rather than try: on a machine where no draft can pay, the first request never pays for
@@ -87,8 +85,8 @@ class ControllerSettings:
 
 
 # Probes that keep finding plain decoding best come ever further apart, up to this many times probe_every: a
-# probe makes a draft model catch up on every token since the last one (on Zen 3, probes every 8 steps cost a
-# request 10% with nothing to find).
+# probe makes a draft model catch up on every token since the last one, a cost that frequent probes pay over and
+# over where there is nothing to find.
 MAX_PROBE_BACKOFF = 16
 SEED_TOLERANCE = 2.0  # seeds a step's forward finds this many times off (either way) are stale (see seed)
 SLOW_FORWARD_CLIP = 1.25  # a forward measured slower than this times its average counts as this (see verify_cost)
@@ -244,8 +242,8 @@ class AdaptiveController:
     def _overhead(self, source: str | None, batch_size: int) -> float:
         """Seconds a whole step takes beyond its drafting and forward: measured for this source (None: plain) at
         this batch size, and never less than what plain steps measured: a drafting step does all that a plain one
-        does. (Measured below it, the difference is noise, and once read as a gain it kept a free drafter that
-        never agreed drafting at 1% acceptance, where a two-token pass cost what a one-token one does.)"""
+        does. (Measured below it, the difference is noise; read as a gain, it would keep a free drafter that never
+        agrees drafting wherever a two-token pass costs what a one-token one does.)"""
         plain = self.step_overhead.get((None, batch_size), 0.0)
         return plain if source is None else max(self.step_overhead.get((source, batch_size), plain), plain)
 
@@ -543,8 +541,8 @@ def interpolate(table: dict[int, float], x: int) -> float | None:
 
     Between measured sizes: the line through the two nearest. Beyond them: the line through the
     smallest and the largest, never falling. Two neighbouring sizes (15 and 16 sequences, say) differ
-    by little more than noise, and a line through them alone once priced a 120-token verify pass
-    like a 16-token one.
+    by little more than noise, so a line through them alone would price a long verify pass like a
+    short one.
     """
     values = _interpolated_range(table, x, x)
     return None if values is None else values[0]

@@ -23,7 +23,6 @@ from verispec.bench.machine import git_commit, machine_line
 from verispec.bench.workloads import load_workload, render_prompt
 from verispec.drafters import HEAD_DRAFT, make_drafter
 from verispec.replay import K_MAX, LOOKUP_SOURCES, runs_from_steps
-from verispec.stats import GenerationStats
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 WORKLOADS = {"humaneval": "humaneval", "chat": "chat",
@@ -32,19 +31,8 @@ WORKLOADS = {"humaneval": "humaneval", "chat": "chat",
 
 def recorded_steps(engine: SpeculativeEngine, prompt: str, tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
     """The greedy answer's token ids and each step's (drafted, accepted), at k = K_MAX."""
-    steps: list[tuple[int, int]] = []
-    record = GenerationStats.record_step
-
-    def recording(stats, drafted, accepted, source=""):
-        steps.append((drafted, accepted))
-        record(stats, drafted, accepted, source)
-
-    GenerationStats.record_step = recording
-    try:
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=tokens, k=K_MAX))
-    finally:
-        GenerationStats.record_step = record
-    return result.token_ids, steps
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=tokens, k=K_MAX))
+    return result.token_ids, [(step.rows[0].drafted, step.rows[0].accepted) for step in result.steps]
 
 
 def main() -> None:

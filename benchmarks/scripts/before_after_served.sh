@@ -2,7 +2,7 @@
 # `verispec serve`'s defaults at two commits against its own plain server, in one run: OLD names the older
 # commit's `verispec` (e.g. a clean clone's .venv/bin/verispec after `make models` there), NAME its label, OUT the
 # folder, WORKLOADS / LEVELS / REQUESTS what to run. Written for results/xeon/defaults-before-after-deep-fix:
-#   OLD=/tmp/ci-clone/.venv/bin/verispec NAME=defaults-1cb5055 OUT=benchmarks/results/xeon/defaults-before-after-deep-fix \
+#   OLD=/tmp/ci-clone/.venv/bin/verispec NAME=defaults-1cb5055 OUT=benchmarks/results/xeon/deep-position-fix-ab \
 #     bash benchmarks/scripts/before_after_served.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -26,7 +26,6 @@ from verispec.drafters import make_drafter
 from verispec.drafters.draft_head import HeadForwarding, HeadLayer
 from verispec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.models.forward_cost import forward_costs
-from verispec.stats import GenerationStats
 
 DRAFTERS = {  # label: (make_drafter kind, draft, draft vocabulary)
     "draft model 0.5B": ("draft-model", DEFAULT_DRAFT, "full"),
@@ -55,20 +54,6 @@ def acceptance(steps: list[tuple[int, int]], k: int) -> list[float]:
     return alphas
 
 
-class StepLog:
-    """Every step's (drafted, accepted), as the engine records them in its stats."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[int, int]] = []
-        original = GenerationStats.record_step
-
-        def record_step(stats, num_drafted: int, num_accepted: int, source: str = "") -> None:
-            self.steps.append((num_drafted, num_accepted))
-            original(stats, num_drafted, num_accepted, source)
-
-        GenerationStats.record_step = record_step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -82,7 +67,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(DEFAULT_TARGET, quantize="auto")
     plain_engine = SpeculativeEngine(target)
-    step_log = StepLog()
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, k=args.k)
     texts = {w: prompts(target, w, args.limit) for w in WORKLOADS}
     plain = {w: [plain_engine.generate(p, GenerationConfig(max_new_tokens=args.max_new_tokens, k=0)).token_ids
@@ -102,14 +86,14 @@ def main() -> None:
         engine = SpeculativeEngine(target, drafter)
         by_workload = {}
         for workload in WORKLOADS:
-            step_log.steps.clear()
+            steps: list[tuple[int, int]] = []  # every step's (drafted, accepted): one request, one row
             tokens = 0
             for prompt, expected in zip(texts[workload], plain[workload]):
                 result = engine.generate(prompt, config)
                 if result.token_ids != expected:
                     raise SystemExit(f"{label} on {workload}: the output differs from plain decoding")
                 tokens += len(result.token_ids)
-            steps = list(step_log.steps)
+                steps += [(step.rows[0].drafted, step.rows[0].accepted) for step in result.steps]
             by_workload[workload] = {
                 "alpha_by_position": acceptance(steps, args.k), "tokens_per_forward": tokens / len(steps),
                 "tokens": tokens, "steps": len(steps), "drafting_steps": sum(d > 0 for d, _ in steps),

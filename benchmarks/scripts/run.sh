@@ -5,7 +5,8 @@
 #   bash benchmarks/scripts/run.sh sweep chat      # some
 # Results go to benchmarks/results/KIND/FOLDER, KIND this machine's kind (zen2 ... zen5, xeon: see
 # verispec.bench.machine.machine_kind; MACHINE_KIND=... overrides it), each folder with a run.json (commit, date,
-# machine, command). Then `make tables` rewrites benchmarks/results/KIND/TABLE.md.
+# machine, command; index.py --fill adds the schema's other fields and rewrites benchmarks/INDEX.md). Then `make
+# tables` rewrites benchmarks/results/KIND/TABLE.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 V=.venv/bin/verispec
@@ -24,6 +25,7 @@ run = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "machi
 with open(os.path.join(sys.argv[1], "run.json"), "w") as out:
     out.write(json.dumps(run, indent=1) + "\n")
 PY
+    .venv/bin/python benchmarks/scripts/index.py --fill  # the schema's other fields, from the results; INDEX.md
 }
 
 humaneval() {  # Qwen 1.5B target + 0.5B draft (int4), greedy, k=5; the composite drafter beside it.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections import Counter
@@ -25,6 +26,7 @@ ARCHIVE = BENCHMARKS / "archive"
 # bench-serve servers the others are compared with, where a run has them.
 OWN_PLAIN = ("verispec-plain", "plain")
 PEER_PLAIN = "llama.cpp-plain"
+KIND = re.compile(r"xeon|zen\d")  # results/ also holds acceptance-traces/, which is no machine kind
 
 
 def fmt(value, pattern: str = "{:.2f}", scale: float = 1.0) -> str:
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 where a TABLE.md is stale")
     args = parser.parse_args(argv)
     stale = []
-    for kind_dir in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+    for kind_dir in sorted(p for p in RESULTS.iterdir() if p.is_dir() and KIND.fullmatch(p.name)):
         text, path = table(kind_dir), kind_dir / "TABLE.md"
         if args.check:
             if not path.exists() or path.read_text() != text:

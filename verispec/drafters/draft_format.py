@@ -2,9 +2,9 @@
 drafting costs.
 
 On a CPU the draft's cost per forward, not its accuracy, decides what speculation gains (any draft
-distribution is verified exactly), and one linear timed alone misjudges a whole forward: on a Zen 4 one
-MLP linear made w8a8-u8 look twice as fast as w4a8, while the whole draft forward cost 42.7 ms against
-15.3 ms. So `auto` screens every candidate with a linear (dropping the hopeless, such as a reference path),
+distribution is verified exactly), and one linear timed alone misjudges a whole forward: it misses the
+attention, the norms, the output head and the rest of the forward's memory traffic, and can rank two formats
+the wrong way round. So `auto` screens every candidate with a linear (dropping the hopeless, such as a reference path),
 quantizes copies of the loaded draft into the survivors' formats and times one-row forwards of them side by side
 within the draft's budget (format_chooser), once per machine, torch version, kernel build and weights
 (remembered_choice). A remembered choice is checked against forwards timed later, at load and while drafting

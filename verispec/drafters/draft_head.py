@@ -5,8 +5,8 @@ token that follows, x_{t+1}; one decoder layer, causal over the positions before
 normalized f_{t+1}, and the target's own final norm and output head, restricted to the `vocab` ids the
 head was trained on, turn it into a draft for x_{t+2}. Drafting on, the head feeds its own prediction
 and its draft back in. It reads no model of its own, so a draft position costs one small layer and a
-head over a fraction of the vocabulary: about 0.03 of a 1.5B target's forward (benchmarks/results/
-xeon/draft-head). q is zero outside `vocab`, so verification stays exact whatever the weights.
+head over a fraction of the vocabulary: a small fraction of the target's forward
+(benchmarks/results/xeon/draft-head). q is zero outside `vocab`, so verification stays exact whatever the weights.
 
 `DraftHead` is the trainable module (benchmarks/draft_head/study.py trains it); `HeadLayer` is the same
 computation for drafting, its matmuls in the target's weight format; a head is saved as safetensors

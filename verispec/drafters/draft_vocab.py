@@ -13,9 +13,10 @@ roughly from frequent merges to rare ones), and the tokenizer's special tokens a
 ids are always kept. `auto` chooses N by measurement: each candidate head, in the draft's format, timed as
 whole one-row draft forwards side by side, weighed by how much of held-out corpus text its tokens cover
 (COVERED_DEPTH draft positions in a row), kept only where that beats the full head by MIN_GAIN, and remembered
-per machine and draft. The corpus is code-heavy: on chat answers a 16,384-token head covered 86% of the tokens,
-on code 95% (benchmarks/results/xeon/draft-vocab), and on an Intel Xeon the 0.5B's w4a8 head costs only 12% of
-its forward: there no smaller head paid, so the default stays the full one.
+per machine and draft. The corpus is code-heavy, so a restricted head covers code better than chat answers
+(benchmarks/results/xeon/draft-vocab). A smaller head saves only the head's share of the draft forward, which is
+small once the draft is quantized (w4a8), while every token it leaves out costs acceptance: so the default stays
+the full head, and `auto` keeps a smaller one only where it measures a gain.
 """
 
 from __future__ import annotations

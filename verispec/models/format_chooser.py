@@ -1,11 +1,12 @@
 """Choosing a model's weight format by measuring it here, within a time budget: one mechanism for targets and drafts.
 
 A CPU decides which format is fastest (AMX, VNNI, AVX2 and memory bandwidth all move it), so `auto` measures. It
-must also end: on CPUs without AMX, oneDNN's signed int8 is a reference implementation, and a Zen 4 spent 36 s on
-one one-row forward of the target in w8a8-s8 (w4a8: 0.03 s); timing every candidate in full took 40 minutes. So:
+must also end: on CPUs without AMX, oneDNN's signed int8 is a reference implementation whose forward can cost
+orders of magnitude more than the fastest candidate's, so timing every candidate in full could take far longer
+than the load itself. So:
 
-1. **Screen** every candidate cheaply: one call of a few linears of the model's MLP shape, at one row (a few ms;
-   a reference path's call costs tenths of a second there, where its whole forward costs tens of seconds).
+1. **Screen** every candidate cheaply: one call of a few linears of the model's MLP shape, at one row (cheap on
+   a fast path; a reference path's call shows its slowness at a small part of its whole forward's cost).
 2. **Drop** a candidate whose screen costs SCREEN_DROP times the best one's: it is recorded as too slow, untimed.
 3. **Time the survivors whole** (forwards of the model, or of a probe of it), in interleaved rounds, cheapest
    screen first. A candidate whose forward costs WHOLE_DROP times the best one's at the same width (HOPELESS
@@ -36,7 +37,9 @@ import torch
 from verispec.models.forward_cost import Forwarding, cost_token_ids, prompted_cache
 from verispec.models.linear import Linear
 
-SCREEN_DROP = 8.0  # a screen this many times the best one's drops a candidate (one linear misjudges up to ~5x)
+# A screen this many times the best one's drops a candidate: above how far one linear misjudges a whole forward
+# in the recorded costs (up to ~5x, benchmarks/results/<kind>/format-costs*.json).
+SCREEN_DROP = 8.0
 WHOLE_DROP = 3.0  # a timed forward this many times the best one's at its width stops a candidate
 HOPELESS = 10.0  # ... in a warm-up round, whose first calls allocate and pick kernels
 # Seconds a first load may spend choosing: the packaged pair's target and draft together stay within about 60 s.
@@ -45,7 +48,7 @@ PREFILL_FORWARDS = 2  # what the short prompt's prefill costs, in forwards of a 
 SCREEN_COPIES = 2  # linears called in turn by a screen: weights from memory, as a forward's come
 SCREEN_REPEATS = 3  # timed screen calls (after one warm-up), where each is short
 SHORT_SCREEN = 0.05  # seconds: a screen call longer than this is timed once
-HOPELESS_SCREEN = 1.0  # seconds: a warm-up screen call longer than this stands for the screen (a reference path's: 0.6)
+HOPELESS_SCREEN = 1.0  # seconds: a warm-up call longer than this stands for the screen (no kernel pick is so slow)
 # "candidate=seconds": each screen call and whole forward of that candidate sleeps so long first (a test hook: a
 # candidate as slow as a reference path)
 SLOW_FORMAT_ENV = "VERISPEC_SLOW_FORMAT"

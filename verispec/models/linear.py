@@ -59,9 +59,9 @@ W8A8_INEXACT = (
 def onednn_int8_exact() -> bool:
     """Whether oneDNN's int8 matmul gives the exact integer sums here, for both activation kinds.
 
-    On CPUs without VNNI or AMX (an AMD EPYC Zen 2: AVX2 only) oneDNN multiplies with vpmaddubsw, whose
-    16-bit sums of two products saturate: 127 * 127 twice is already past 32767, and full-range
-    weights came out wrong by up to 2 * 10^5. Such results would be neither accurate nor the same
+    On CPUs without VNNI or AMX (AVX2 only) oneDNN multiplies with vpmaddubsw, whose
+    16-bit sums of two products saturate: 127 * 127 twice is already past 32767, so full-range
+    weights come out wrong, not merely rounded. Such results would be neither accurate nor the same
     as the w4a8 kernel's, so w8a8 is not offered there. Probed once per process on that worst case.
     """
     if not onednn_int8_runs():
@@ -233,7 +233,7 @@ class Linear:
     def _onednn_int8(self, q: torch.Tensor) -> torch.Tensor:
         """q (N, in) int8, or uint8 holding int8 + 128 -> (N, out) float32: exact integer sums times the weight scales."""
         single = q.shape[0] == 1
-        if single:  # oneDNN's one-row kernel is ~2x slower than its two-row one; rows never mix
+        if single:  # oneDNN's one-row kernel is slower than its two-row one; rows never mix
             q = q.expand(2, -1)  # (2, in)
         y = onednn_int8_matmul(q, self.weight, self.scales, self._zero_points)  # (N, out)
         return y[:1] if single else y
@@ -279,9 +279,9 @@ def measure_formats(
     Several copies make the weights come from memory rather than cache, as a whole forward's do:
     what separates formats of different sizes. Every candidate is first called once on `screen_rows`
     rows; one that takes HOPELESS times the fastest of them all is not timed further (that call, scaled to
-    the rows, stands for it), whatever its place in `candidates`: a reference path timed in full first cost a
-    Zen 4 minutes per load. Candidates are FORMATS or "w8a8-s8" / "w8a8-u8"; one that fails to run on this CPU
-    is left out.
+    the rows, stands for it), whatever its place in `candidates`: a reference path timed in full would cost
+    far more than the rest of the load. Candidates are FORMATS or "w8a8-s8" / "w8a8-u8"; one that fails to
+    run on this CPU is left out.
     """
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype) for _ in range(copies)]
@@ -303,7 +303,7 @@ def measure_formats(
     seconds = {}
     for candidate, linears in linears_of.items():
         if screened[candidate] > HOPELESS * min(screened.values()):
-            # A reference path (oneDNN's signed int8 without AMX: seconds per call): its cost is
+            # A reference path (oneDNN's signed int8 without AMX: far slower per call): its cost is
             # estimated from the screening call rather than timed at every row count.
             seconds[candidate] = screened[candidate] * sum(rows) / screen_rows
             continue
@@ -344,8 +344,8 @@ def choose_format(requested: str, dtype: torch.dtype, dtype_asked: bool = True) 
 
     auto keeps dense weights for float32/float16 compute that was asked for (dtype_asked: asking for
     those asks for their exact arithmetic); float32 that `--dtype auto` chose, on a CPU without
-    bfloat16 dot products, is timed like bfloat16. Every candidate stays within 2 points of the
-    dense target's HumanEval pass@1 (benchmarks/results/xeon/quantized/: w4a8 +1.2, w8a8 +1.9), so speed
+    bfloat16 dot products, is timed like bfloat16. Every candidate matches the dense target's HumanEval
+    pass@1 within the benchmark's noise (benchmarks/results/xeon/quantized/), so speed
     decides, measured on linears that do not fit in cache, as a model's do not. The weight-only
     formats are not candidates: past 4 rows (every verify pass) they are slower than dense. w4a8 is
     left out where its kernel cannot run.
@@ -389,7 +389,7 @@ def w4a8_choice(dtype: torch.dtype, seconds: dict[str, float] | None = None) -> 
     """w4a8 with the fastest way to run long passes (prefill), timed there once per machine.
 
     oneDNN on an int8 copy with signed or unsigned activations (its signed path is a slow reference
-    one on CPUs without AMX: 0.83 s against 0.2 ms for u8 on an AMD EPYC), or the 4-bit kernel for
+    one on CPUs without AMX, orders of magnitude behind the unsigned one there), or the 4-bit kernel for
     every pass, which keeps no int8 copy and wins ties: it needs ~60% of the memory. Every choice
     computes the same integers, so the outputs are the same. Where oneDNN's sums are not exact
     (onednn_int8_exact), the kernel runs every pass.

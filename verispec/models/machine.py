@@ -50,7 +50,7 @@ def cpu_model() -> str:
 
 
 def cpu_supports_bfloat16() -> bool:
-    """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 is ~2x f32."""
+    """True when the CPU has native bfloat16 dot products (AVX-512 BF16 or AMX), where bf16 outruns f32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

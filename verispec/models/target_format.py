@@ -1,9 +1,9 @@
 """A target's `auto` weight format, chosen within a budget from whole forwards at the widths a step runs.
 
 One linear timed alone misjudges a model: it misses the attention, the norms, the output head and the memory
-traffic of the rest of the forward (on a Zen 4 one MLP linear ranked a draft's formats the wrong way round,
-w8a8-u8 at half w4a8's cost where the whole forward cost 2.8 times as much). A linear only screens out the
-hopeless (format_chooser: a reference path costs a hundred times the best there). A whole target in every
+traffic of the rest of the forward, so it can rank two formats the wrong way round (the format with the cheaper
+linear can have the dearer whole forward). A linear only screens out the hopeless (format_chooser: such as a
+reference path, far slower than the best on every measure). A whole target in every
 candidate format would cost each first load a full quantization per format, so the survivors are timed as a
 probe of the model itself: its first PROBE_SHARE of decoder layers with their real weights, the embedding and the
 output head, and beside it the same head with no layers, at PROBE_ROWS new tokens (a plain step and verify

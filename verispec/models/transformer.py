@@ -24,8 +24,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in float32.
 
     The weight is applied after the rounding, as Qwen2 and Llama do. Where verispec's kernels run,
-    one call does it all, each row alone in a fixed order (kernels/norm.cpp: ~4 us a call for one
-    1536-wide row against ~40 us for torch's six calls); else torch's rms_norm without a weight,
+    one call does it all, each row alone in a fixed order (kernels/norm.cpp: one pass where torch's
+    formula takes six calls); else torch's rms_norm without a weight,
     which computes that normalisation in one call. tests/test_transformer.py checks both against
     the formula.
     x: (..., C); weight: (C,).
@@ -56,9 +56,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return (x * cos).add_(rotated)  # (..., D)
 
 
-# torch's CPU attention in bfloat16 costs ~9x its float32 one for one query (573 against 65 us for 12
-# heads over 520 keys, AMD EPYC, 2 threads), so torch attention runs in float32, which is also the more
-# exact. Passes of a few tokens attend one query at a time in verispec's kernel where it runs (23 us).
+# torch's CPU attention in bfloat16 costs several times its float32 one for one query, so torch attention
+# runs in float32, which is also the more exact. Passes of a few tokens attend one query at a time in
+# verispec's kernel where it runs, which is faster still.
 ATTENTION_DTYPE = torch.float32
 INVARIANT_ATTENTION_MAX_ROWS = 64  # longer inputs take one masked attention call
 # A prompt goes in by forwards that end at multiples of this many positions (see Transformer.prefill):

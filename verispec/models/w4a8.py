@@ -15,8 +15,8 @@ rows run with it (batch-invariant).
 No package on PyPI gives torch an int4 x int8 CPU kernel that could agree with oneDNN bit for bit:
 torch's int4 kernel takes bfloat16 activations, its `_dyn_quant_matmul_4bit` is a scalar
 reference on x86, torchao's wheel carries no CPU kernels, onnxruntime's grows with the row count.
-So verispec builds this one (kernels/w4a8.cpp: AVX-512 VNNI, or AVX2 on CPUs without AVX-512,
-such as an AMD EPYC Zen 2: the same integers, so the same bits) with torch.utils.cpp_extension the
+So verispec builds this one (kernels/w4a8.cpp: AVX-512 VNNI, or AVX2 on CPUs without AVX-512:
+the same integers, so the same bits) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
 verispec cache. The same extension holds the one-query-at-a-time attention kernel
 (kernels/attention.cpp) and the RMS norm (kernels/norm.cpp), see verispec.models.transformer.
@@ -39,8 +39,8 @@ from verispec.models.machine import cache_root, cpu_flags
 GROUP_SIZE = 32  # inputs sharing one integer multiplier and offset
 COLUMNS = 16  # output columns per packed block
 # Passes of up to this many rows read the 4-bit codes; longer ones (prefill) run oneDNN's int8 matmul,
-# whose AMX / VNNI tiles win once the VNNI kernel here turns compute-bound (measured on an Intel Xeon,
-# 2 threads: benchmarks/archive/xeon/fast-w4a8/).
+# whose AMX / VNNI tiles win once the kernel here turns compute-bound: reading half the bytes stops paying
+# when enough rows share each read (benchmarks/archive/xeon/fast-w4a8/).
 KERNEL_MAX_ROWS = 8
 # One extension holds the w4a8 kernel and the attention and norm kernels (see transformer).
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp", "norm.cpp")]
@@ -158,9 +158,9 @@ def quantize(weight: torch.Tensor, keep_int8: bool = True) -> tuple[torch.Tensor
     Returns int8 (N, K), the weights oneDNN runs (None unless keep_int8); scale (N,) float32; packed
     (N/16, K/32, 288) uint8, the same weights as 4-bit codes and per-group multipliers and offsets,
     what the kernel reads. Each group keeps the multiplier and offset around its ideal grid with the
-    least squared error. The search takes about 30 s for a 1.5B model, so the results of large
+    least squared error. The search is the slow part of loading a large model, so the results of large
     weights are kept on disk under the verispec cache, keyed by the weight's bytes and this kernel
-    build (`quantized_path`): a later load reads them (seconds) and gets the same bits.
+    build (`quantized_path`): a later load reads them, far faster, and gets the same bits.
     """
     load_kernel()
     path = quantized_path(weight) if weight.numel() >= CACHED_MIN_WEIGHTS else None
@@ -173,7 +173,7 @@ def quantize(weight: torch.Tensor, keep_int8: bool = True) -> tuple[torch.Tensor
     return (int8 if keep_int8 else None), scale, packed
 
 
-CACHED_MIN_WEIGHTS = 1 << 20  # smaller weights quantize in milliseconds: not worth a file each
+CACHED_MIN_WEIGHTS = 1 << 20  # smaller weights quantize quickly: not worth a file each
 
 
 def search_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -145,7 +145,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, settings: ServerSet
     model_name = settings.model_name
     created = int(time.time())
     target = scheduler.target
-    call_tokens = tool_tokens(target.tokenizer)  # once: reading the vocabulary takes ~0.1 s for Qwen's
+    call_tokens = tool_tokens(target.tokenizer)  # once: it reads the whole vocabulary
 
     def error_response(error: APIError, request: Request) -> JSONResponse:
         metrics.error(error.type, error.code)

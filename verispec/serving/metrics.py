@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from verispec.core.step_record import StepRecord
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -83,18 +85,17 @@ class ServerMetrics:
         """model_format: LoadedModel.format.as_dict(); exported as labels of verispec_target_info."""
         self._target.info({k: str(v) for k, v in model_format.items() if not isinstance(v, dict)})
 
-    def step(
-        self, batch_size: int, drafted_by_position: list[int], accepted_by_position: list[int], seconds: float
-    ) -> None:
-        """One batched target forward; [i] = sequences that drafted / had accepted draft position i."""
+    def step(self, record: StepRecord) -> None:
+        """One batched target forward: its rows, the draft positions they drafted and had accepted, its seconds."""
+        batch_size, drafted_by_position = len(record.rows), record.drafted_by_position
         self._target_forwards.inc()
         self._steps.labels(batch_size=str(batch_size), k=str(len(drafted_by_position))).inc()
         self._batch_size.observe(batch_size)
-        self._step_duration.observe(seconds)
+        self._step_duration.observe(record.seconds)
         for position, count in enumerate(drafted_by_position):
             if count:
                 self._drafted.labels(position=str(position)).inc(count)
-        for position, count in enumerate(accepted_by_position):
+        for position, count in enumerate(record.accepted_by_position):
             if count:
                 self._accepted.labels(position=str(position)).inc(count)
 

@@ -41,6 +41,7 @@ from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_draf
 from verispec.drafters.draft_format import replace_format
 from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
 from verispec.config import GenerationConfig
+from verispec.core.step_record import RowStep, StepRecord
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
 from verispec.models.forward_cost import step_costs
 from verispec.models.loading import LoadedModel, load_model
@@ -223,6 +224,7 @@ class Scheduler:
         self.k_max = k_max if k == "auto" else max(int(k), 1)
         self.limits = limits
         self.metrics = metrics
+        self.step_observers: list[Callable[[StepRecord], None]] = []  # each called with every step's record
         self.chunked_prefill = chunked_prefill  # False: every waiting prompt goes in whole before the next step
         # With k auto: each sequence its own k, by its own acceptance (AdaptiveController.choose_row_ks); else one per source.
         self.k_per_sequence = k_per_sequence and k == "auto"
@@ -607,9 +609,9 @@ class Scheduler:
     def _lookups_may_draft(self, batch_size: int) -> bool:
         """Whether a composite's lookups could draft this step, by the controller's plan for them with as many rows
         as found a recurring context when they were last asked (every row before they were); else every row goes to
-        the batched drafter and no lookup is asked. Indexing each row's newest tokens to answer cost 1.2% of a
-        16-client chat server's steps on an Intel Xeon, where nothing drafted; planned as if every row drafted, a
-        15-row step asked them and indexed each row's backlog, 42 ms on average, where one row in ten drafted."""
+        the batched drafter and no lookup is asked. Asking costs each row an index update over its newest tokens:
+        a busy server where nothing recurs would pay it every step for nothing, and one planned as if every row
+        drafted would index every row's backlog to serve the few that do."""
         if self.k != "auto" or self.draft is None or self.new_drafter is None:
             return True
         lookup = next((getattr(s.drafter, "source", None) for s in self.active if s.drafter is not None), None)
@@ -686,12 +688,12 @@ class Scheduler:
             first = drafting.index(True)
             drafting = current if any(current) else [row == first for row in range(len(active))]
             if not any(current) and self.draft.behind(first, active[first].tokens) > PROBE_WINDOW:
-                # A probe is there to measure acceptance, which the latest tokens show as well as all of them: a
-                # whole catch-up made one probe cost 2.4 s on an AVX2 Zen 1 (30 plain steps), and grows with the text.
+                # A probe is there to measure acceptance, which the latest tokens show as well as all of them; a
+                # whole catch-up would cost many plain steps on a slow CPU, and grows with the text.
                 self.draft.restart_window(first, active[first].tokens, PROBE_WINDOW)
         if self.draft is not None and self.k == "auto" and not probing:
-            # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (a
-            # cold first measurement had a server never draft again: benchmarks/results/zen5/kernel-interleave-zen5).
+            # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (else a
+            # cold first measurement could keep a server from ever drafting again).
             kept = self._worth_catching_up(drafting, k_per_row)
             drafting = self.controller.rows_left_pay(model, drafting, kept, k_per_row)
         if self.draft is not None and any(drafting):
@@ -848,16 +850,11 @@ class Scheduler:
             self._packed_seconds[total] = moving_average(self._packed_seconds.get(total), forward_seconds, COST_SMOOTHING)
 
         deepest = max((p.num_tokens for p in proposals if p.source == self.batched_source), default=0)
-        drafted_by_position = [0] * (width - 1)
-        accepted_by_position = [0] * (width - 1)
         done: list[tuple[_Sequence, str]] = []
         for b, (sequence, proposal, num_accepted, tokens) in enumerate(zip(active, proposals, accepted, new_tokens)):
             if sequence.fault is not None:
                 continue
             drafted = proposal.num_tokens
-            for position in range(drafted):
-                drafted_by_position[position] += 1
-                accepted_by_position[position] += position < num_accepted
             stats = sequence.stats
             source = proposal.source or self.drafter
             stats.record_step(drafted, num_accepted, source)
@@ -890,8 +887,15 @@ class Scheduler:
                     next(iter(drafters), None), n, time.perf_counter() - started - catch_up,
                     sum(draft_seconds.values()) + forward_seconds,
                 )
+        record = StepRecord(
+            tuple(RowStep((p.source or self.drafter) if p.num_tokens else None, p.num_tokens, a)
+                  for p, a in zip(proposals, accepted)),
+            draft_seconds, verify_tokens, len(chunk), forward_seconds, time.perf_counter() - started,
+        )
         if self.metrics is not None:
-            self.metrics.step(n, drafted_by_position, accepted_by_position, finished_at - started)
+            self.metrics.step(record)
+        for observe in self.step_observers:
+            observe(record)
         if chunk:
             self.cache.rows(n, n + 1).commit(len(chunk))
             if hidden is not None:
@@ -1030,9 +1034,8 @@ COST_SMOOTHING = 0.2  # weight of the newest step or prefill timing in the sched
 # among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.
 PREFILL_MIN_SHARE = 0.75
 # A prompt whose rest goes in within this many of the streams' steps goes in at once: small chunks cost far more per
-# prompt token than a prefill (8 prompt tokens beside 4 streams lengthened the forward by 57 ms, 7 ms a token, where a
-# whole prefill takes 3.6 ms a token: Intel Xeon, w4a8), and a pause of a few steps is brief. A 2,000-token prompt
-# still goes in by chunks.
+# prompt token than a prefill (the first tokens beside the streams cross the matrix kernels' small-row paths), and a
+# pause of a few steps is brief. A prompt of thousands of tokens still goes in by chunks.
 WHOLE_PROMPT_STEPS = 8
 PACKED_FIRST_CHUNK = 8  # prompt tokens a decoding step carries before any prefill was timed
 PACKED_MAX_CHUNK = 512  # the most prompt tokens one decoding step carries
@@ -1067,8 +1070,8 @@ def start_in_model_thread(build: Callable[[], Scheduler], threads: int | None = 
 
     torch's CPU kernels run on OpenMP, and libgomp keeps a thread pool for each thread that starts
     parallel work: models loaded in one thread and decoded in another leave two pools on the cores,
-    and libgomp, counting more threads than cores, stops spinning between parallel regions. A plain
-    decoding step then ran ~30% slower (31 against 44 tok/s, AMD EPYC, 2 threads). So one thread
+    and libgomp, counting more threads than cores, stops spinning between parallel regions, which slows
+    every decoding step markedly. So one thread
     loads the models and runs every step; the caller's thread (the HTTP server) runs no torch
     kernels. Errors of build() are raised here.
     """
