@@ -253,11 +253,12 @@ def test_rows_that_agree_more_draft_longer_and_never_worse_than_one_k_for_all():
 
 
 def test_a_rows_acceptance_starts_at_its_sources_and_moves_to_its_own():
-    from verispec.policy import ROW_PRIOR_STEPS, AdaptiveController, ControllerSettings
+    from verispec.policy import AdaptiveController, ControllerSettings
 
     controller = AdaptiveController(ControllerSettings(k_max=2, prior_acceptance=0.5))
     assert controller.row_acceptance("s", [0, 0], [0, 0]) == [0.5, 0.5]
-    rates = controller.row_acceptance("s", [ROW_PRIOR_STEPS, 0], [ROW_PRIOR_STEPS, ROW_PRIOR_STEPS])
+    steps = controller.settings.row_prior_steps
+    rates = controller.row_acceptance("s", [steps, 0], [steps, steps])
     assert rates == [0.75, 0.25]
 
 
@@ -415,7 +416,7 @@ def test_seeded_costs_do_not_stand_for_a_plain_step_of_many_rows():
 def test_seeds_timed_in_a_loaded_moment_are_scaled_to_what_the_first_step_measures():
     """Step costs are timed once and remembered; timed while the machine was busy (forwards 20x their real cost, the
     draft position with them) they ruled drafting out, and with no draft ever measured again a server never drafted.
-    The first one-row forward checks the seeds: off by more than SEED_TOLERANCE, the forwards are scaled to it and
+    The first one-row forward checks the seeds: off by more than seed_tolerance, the forwards are scaled to it and
     the draft's seeds dropped, to be measured by drafting."""
     loaded = {1: 1.12, 2: 1.12, 4: 1.56, 8: 1.55}
     controller = AdaptiveController(ControllerSettings(k_max=4))

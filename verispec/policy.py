@@ -7,7 +7,7 @@ measures them online, on this machine, during the request:
 - alpha[s][i]: chance that draft position i (1-based) from drafter source s is accepted, given
   positions before it were: decayed counts, hits over steps that reached it (each step of that
   source counts 1 - 1/acceptance_memory times as much as the one after it), shrunk towards a prior worth
-  PRIOR_STEPS steps: prior_acceptance for the first position, the estimate of the position before
+  prior_steps steps: prior_acceptance for the first position, the estimate of the position before
   for every later one. A position hardly reached (deeper than the drafts tried) thus reads as the one
   before it, and what it measured long ago fades into that; a new source learns from its first few
   steps, a measured one moves only as much as its memory allows (a moving average of a few steps
@@ -19,7 +19,7 @@ measures them online, on this machine, during the request:
   many-row draft forward like a one-row one, so a busy server would draft at a loss.
 - verify_cost(n): seconds of one target forward over n tokens in all, averaged per n and interpolated.
   One forward is one observation however many rows it verified, and a forward slower than
-  SLOW_FORWARD_CLIP times the average counts as that. Counted once per row, a batch's shared forward
+  slow_forward_clip times the average counts as that. Counted once per row, a batch's shared forward
   would outweigh all before it; and one forward slowed by something else on the machine would price
   plain steps so high that the controller drafts at a loss and never measures a plain step again.
 
@@ -34,7 +34,7 @@ seeded before any step (one row's forwards) do not count as that step: a forward
 is not one of 4 rows, and priced as one it had a 16-client server draft while its first wave went in.
 When it has chosen k = 0 for probe_every * b steps in a row it probes with k = 1 (one cheap draft
 token) so it notices when the drafter starts to agree again (each probe that finds plain decoding still best
-doubles that wait, up to MAX_PROBE_BACKOFF times); unless the costs alone rule drafting
+doubles that wait, up to max_probe_backoff times); unless the costs alone rule drafting
 out (it would not pay by min_gain even if every draft were accepted), when a probe could learn nothing.
 A draft model's probe row far behind sees only the latest tokens (the scheduler's PROBE_WINDOW), so a
 probe costs the same however long the text.
@@ -82,16 +82,14 @@ class ControllerSettings:
     # Drafting must be expected to beat plain decoding by this much: where the verify pass costs about the same
     # for 1 and k + 1 tokens, noise in two measured costs would otherwise keep drafts that are almost never accepted.
     min_gain: float = 0.05
-
-
-# Probes that keep finding plain decoding best come ever further apart, up to this many times probe_every: a
-# probe makes a draft model catch up on every token since the last one, a cost that frequent probes pay over and
-# over where there is nothing to find.
-MAX_PROBE_BACKOFF = 16
-SEED_TOLERANCE = 2.0  # seeds a step's forward finds this many times off (either way) are stale (see seed)
-SLOW_FORWARD_CLIP = 1.25  # a forward measured slower than this times its average counts as this (see verify_cost)
-ROW_PRIOR_STEPS = 4  # a sequence's own acceptance counts as much as its source's after this many steps
-PRIOR_STEPS = 2.0  # what a position's prior (prior_acceptance, or the position before) weighs, in steps
+    # Probes that keep finding plain decoding best come ever further apart, up to this many times probe_every: a
+    # probe makes a draft model catch up on every token since the last one, a cost that frequent probes pay over
+    # and over where there is nothing to find.
+    max_probe_backoff: int = 16
+    seed_tolerance: float = 2.0  # seeds a step's forward finds this many times off (either way) are stale (see seed)
+    slow_forward_clip: float = 1.25  # a forward slower than this times its average counts as this (see verify_cost)
+    row_prior_steps: float = 4.0  # a sequence's own acceptance counts as much as its source's after this many steps
+    prior_steps: float = 2.0  # what a position's prior (prior_acceptance, or the position before) weighs, in steps
 
 
 @dataclass
@@ -99,25 +97,26 @@ class _Averages:
     hits: list[float]  # (k_max,) decayed count of steps whose draft at each position was accepted
     reached: list[float]  # (k_max,) decayed count of steps that drafted at each position, with all before accepted
     prior: float  # the first position's acceptance before any step
+    prior_steps: float  # what a position's prior weighs, in steps (ControllerSettings.prior_steps)
     draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
     name: str | None = None  # the source these are of (its whole steps' overhead, see step_overhead)
 
     @classmethod
-    def start(cls, k_max: int, prior: float, name: str | None = None) -> "_Averages":
-        averages = cls([0.0] * k_max, [0.0] * k_max, prior, name=name)
+    def start(cls, k_max: int, prior: float, prior_steps: float, name: str | None = None) -> "_Averages":
+        averages = cls([0.0] * k_max, [0.0] * k_max, prior, prior_steps, name=name)
         averages.forget_first()
         return averages
 
     def forget_first(self) -> None:
-        """The first position back to its prior: PRIOR_STEPS steps at prior acceptance (they fade as steps do)."""
-        self.hits[0], self.reached[0] = PRIOR_STEPS * self.prior, PRIOR_STEPS
+        """The first position back to its prior: prior_steps steps at prior acceptance (they fade as steps do)."""
+        self.hits[0], self.reached[0] = self.prior_steps * self.prior, self.prior_steps
 
     def acceptance(self) -> list[float]:
         """(k_max,) acceptance by position given reached: the first position's counts (its prior among them); each
-        later one's shrunk towards the estimate of the one before, by PRIOR_STEPS steps."""
+        later one's shrunk towards the estimate of the one before, by prior_steps steps."""
         rates = [self.hits[0] / self.reached[0]]
         for hits, reached in zip(self.hits[1:], self.reached[1:]):
-            rates.append((hits + PRIOR_STEPS * rates[-1]) / (reached + PRIOR_STEPS))
+            rates.append((hits + self.prior_steps * rates[-1]) / (reached + self.prior_steps))
         return rates
 
     def assume(self, rates: list[float], steps: float) -> None:
@@ -163,13 +162,13 @@ class AdaptiveController:
     plain_batches: set[int] = field(default_factory=set)  # batch sizes whose plain step was measured (observe_forward)
     seeded: dict[int, float] = field(default_factory=dict)  # seeded one-row forwards by tokens, until a step checks
     seeded_drafts: set[str] = field(default_factory=set)  # sources whose draft cost is the seed's
-    stale_seed: float | None = None  # a step's forward over its seed, where they differed by more than SEED_TOLERANCE
+    stale_seed: float | None = None  # a step's forward over its seed, where they differed by more than seed_tolerance
     seeded_catch_up: bool = False  # whether catch_up_per_token is the seed's
 
     def _source(self, name: str) -> _Averages:
         if name not in self.sources:
             k_max = self.settings.k_max
-            self.sources[name] = _Averages.start(k_max, self.settings.prior_acceptance, name)
+            self.sources[name] = _Averages.start(k_max, self.settings.prior_acceptance, self.settings.prior_steps, name)
         return self.sources[name]
 
     def seed(
@@ -181,7 +180,7 @@ class AdaptiveController:
         moves them as it moves any average.
 
         All of them were timed in one moment, perhaps a loaded one, and may have been remembered from it: the first
-        one-row forward a step measures at a seeded size checks them, and where it took SEED_TOLERANCE times
+        one-row forward a step measures at a seeded size checks them, and where it took seed_tolerance times
         more or less, the seeds are stale (stale_seed says so): the forwards still unmeasured are scaled by that
         factor and the draft and catch-up seeds dropped, to be measured when drafted. Else a draft seeded far too
         dear (a load slows the two models unequally), never drafted again to be measured, rules drafting out for
@@ -259,7 +258,7 @@ class AdaptiveController:
         if averages is not None:
             if k == 0 and self._could_pay(averages, batch_size, drafting_rows):
                 if after_probe:  # the probe found drafting still does not pay: wait longer for the next
-                    self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF)
+                    self.probe_backoff = min(2 * self.probe_backoff, self.settings.max_probe_backoff)
                 self.plain_streak += 1
                 if self._probe_due(batch_size, self.plain_streak):
                     self.plain_streak = 0
@@ -409,9 +408,10 @@ class AdaptiveController:
 
     def row_acceptance(self, source: str, hits: list[int], reached: list[int]) -> list[float]:
         """A sequence's acceptance by position: its own hits over reached, shrunk towards the source's
-        estimate with the weight of ROW_PRIOR_STEPS steps (a new sequence is its source)."""
+        estimate with the weight of settings.row_prior_steps steps (a new sequence is its source)."""
         prior = self._source(source).acceptance()
-        return [(h + ROW_PRIOR_STEPS * a) / (n + ROW_PRIOR_STEPS) for h, n, a in zip(hits, reached, prior)]
+        weight = self.settings.row_prior_steps
+        return [(h + weight * a) / (n + weight) for h, n, a in zip(hits, reached, prior)]
 
     def _could_pay(self, averages: _Averages, batch_size: int, drafting_rows: int | None = None) -> bool:
         """Would drafting beat plain decoding here by min_gain if every draft were accepted?
@@ -421,7 +421,7 @@ class AdaptiveController:
         plain decoding is chosen on cost alone and a probe could only confirm it.
         """
         k_max = self.settings.k_max
-        perfect = _Averages.start(k_max, 1.0, averages.name)
+        perfect = _Averages.start(k_max, 1.0, averages.prior_steps, averages.name)
         perfect.draft_cost = averages.draft_cost
         plain = self.expected_rate(0, perfect, batch_size)
         rates = [self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, k_max + 1)]
@@ -474,14 +474,14 @@ class AdaptiveController:
             self._check_seeds(seconds / self.seeded[tokens])
         average = self.verify_cost.get(tokens)
         if average is not None:
-            seconds = min(seconds, SLOW_FORWARD_CLIP * average)
+            seconds = min(seconds, self.settings.slow_forward_clip * average)
         self.verify_cost[tokens] = moving_average(average, seconds, self.settings.smoothing)
 
     def _check_seeds(self, ratio: float) -> None:
-        """The first step's one-row forward over its seed: beyond SEED_TOLERANCE either way, the forwards still
+        """The first step's one-row forward over its seed: beyond seed_tolerance either way, the forwards still
         unmeasured are scaled by it, and the seeded draft position and catch-up forgotten. Checked once."""
         seeded, self.seeded = self.seeded, {}
-        if 1 / SEED_TOLERANCE <= ratio <= SEED_TOLERANCE:
+        if 1 / self.settings.seed_tolerance <= ratio <= self.settings.seed_tolerance:
             return
         self.stale_seed = ratio
         for tokens, seconds in seeded.items():
