@@ -201,21 +201,39 @@ def test_bad_k_is_rejected():
         GenerationConfig(k_max=0)
 
 
-def test_a_packed_chunk_fits_the_measured_costs_and_stays_below_a_jump():
-    from verispec.policy import largest_fitting_chunk
+def carried(costs, base, share, draft, token_seconds, most, steps=8):
+    """The chunks prompt_chunk carries over `steps` steps, its credit handed on."""
+    from verispec.policy import prompt_chunk
 
-    # A forward of 8 tokens costs 64 ms, of 9: 95 ms (a kernel for up to 8 rows, then another).
-    costs = {4: 0.050, 8: 0.064, 9: 0.095, 12: 0.108, 32: 0.170}
-    # A step of 5 ms drafting and a 4-token forward (50 ms); share 0.75: a forward of up to 91.25 ms.
-    assert largest_fitting_chunk(costs, 4, 0.75, 0.005, 0.004, 100) == 4  # 8 fits; 9 costs 95 ms
-    del costs[9]  # unmeasured: the line from 8 to 12, 11 ms a token, lets 10 in (86 ms), which measuring corrects
-    assert largest_fitting_chunk(costs, 4, 0.75, 0.005, 0.004, 100) == 6
-    assert largest_fitting_chunk(costs, 4, 3.5, 0.0, 0.004, 100) == 41  # 225 ms: 32 tokens at 170 ms, then 4 ms a token
-    assert largest_fitting_chunk(costs, 4, 100.0, 0.0, 0.004, 100) == 100  # at most what is left
-    assert largest_fitting_chunk(costs, 4, 0.0, 0.0, 0.004, 100) == 1  # always some progress
-    # Nothing measured: token_seconds a token, the step included (a burst's first steps: 4 + 60 ms of share).
-    assert largest_fitting_chunk({}, 4, 15.0, 0.0, 0.004, 100) == 60
-    assert largest_fitting_chunk({16: 0.1}, 4, 0.4, 0.0, 0.004, 100) == 22  # flat below 16, then 4 ms a token
+    chunks, credit = [], 0.0
+    for _ in range(steps):
+        size, credit = prompt_chunk(costs, base, share, draft, token_seconds, most, credit, 8)
+        chunks.append(size)
+    return chunks
+
+
+def test_a_packed_chunk_keeps_the_prompts_share_on_average_and_pays_a_kernels_jump_with_a_large_chunk():
+    from verispec.policy import estimated_forward_seconds
+
+    # Cost growing by the same 4 ms a token: share of each step, each step (a 71 ms step, 0.75: 53 ms, 13 tokens; the
+    # smallest chunk within 15% of that rate: 12).
+    line = {4: 0.066, 8: 0.082, 16: 0.114, 64: 0.306}
+    assert carried(line, 4, 0.75, 0.005, 0.004, 300) == [12] * 8
+    # A forward of 8 tokens costs 64 ms, of 9: 95 ms (a kernel for up to 8 rows, then another), then 4 ms a token.
+    jump = {4: 0.050, 8: 0.064, 9: 0.095, 12: 0.108, 32: 0.170}
+    chunks = carried(jump, 4, 0.75, 0.005, 0.004, 100)
+    # Small chunks would stay below the jump at 4 tokens a step; the prompt waits for a chunk that pays the jump.
+    assert chunks[0] == 0 and min(c for c in chunks if c) > 4 + 8
+    step = 0.005 + 0.050
+    spent = sum(estimated_forward_seconds(jump, 4 + c, 0.004) - 0.050 for c in chunks if c)
+    assert spent <= 0.75 * step * len(chunks) + 1e-9  # the share, on average
+    assert sum(chunks) / len(chunks) > 4  # more of the prompt a step than chunks below the jump
+    # No chunk holds the streams up by more than 8 steps, however much is saved; at most what is left.
+    assert all(estimated_forward_seconds(jump, 4 + c, 0.004) <= 9 * step for c in carried(jump, 4, 100.0, 0.005, 0.004, 500))
+    assert carried(jump, 4, 100.0, 0.005, 0.004, 30, steps=1) == [30]
+    assert carried(jump, 4, 0.0, 0.005, 0.004, 30, steps=3) == [1, 1, 1]  # no share: still some progress
+    # Nothing measured: token_seconds a token (a burst's first step: 15 x 4 ms of share, 28 tokens within 15%).
+    assert carried({}, 4, 15.0, 0.0, 0.004, 100, steps=1) == [28]
 
 
 def expected_batch_rate(ks, acceptance, draft_per_position, verify_cost, batch_size):

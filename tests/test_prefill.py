@@ -169,8 +169,10 @@ def test_a_short_prompt_rides_whole_in_the_step_and_a_long_one_by_its_share(tiny
     short = scheduler._new_sequence(token_ids(106, 1, vocab), GenerationConfig(max_new_tokens=4))
     assert len(scheduler._packed_chunk(short, 4, 0.0)) == 105
     longer = scheduler._new_sequence(token_ids(107, 1, vocab), GenerationConfig(max_new_tokens=4))
-    # 106 tokens would take 453 ms: the share (1 / 2 streams, at least 0.75) of the step, 87.5 ms, below the jump.
-    assert len(scheduler._packed_chunk(longer, 4, 0.0)) == 6
+    # 106 tokens would take 453 ms: the share (1 / 2 streams, at least 0.75) of the steps, 37.5 ms each, saved up
+    # until it pays for a chunk past the jump at 8 tokens (prompt_chunk).
+    sizes = [len(scheduler._packed_chunk(longer, 4, 0.0)) for _ in range(4)]
+    assert sizes[0] == 0 and max(sizes) > 8 and longer.chunk_credit >= 0
     longer.prefilled = 100  # its last 6 tokens fit at once
     assert scheduler._packed_chunk(longer, 4, 0.0) == longer.prompt_ids[100:-1]
 
@@ -229,7 +231,8 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
     prompts, lengths, expected = long_prompt_among_short_ones(loaded)
     sizes = []  # verify tokens the scheduler asked a chunk size for
     monkeypatch.setattr(
-        scheduler_module, "largest_fitting_chunk", lambda costs, base, share, draft, per_token, most: sizes.append(base) or 7
+        scheduler_module, "prompt_chunk",
+        lambda costs, base, share, draft, per_token, most, credit, stall: sizes.append(base) or (7, credit),
     )
     prefills, packed = [], []  # prompt tokens fed by prefill; row widths of each packed forward
     real_prefill, real_packed = loaded.model.prefill, loaded.model.forward_packed
@@ -243,7 +246,7 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
         or real_packed(rows, cache, wanted, hidden_out),
     )
     scheduler = Scheduler(loaded, None, "none", limits=SchedulerLimits(3, 8, 512, 0), chunked_prefill=True)
-    scheduler._prefill_token_seconds = 0.01  # as if a whole prefill had been timed: chunks of largest_fitting_chunk's size
+    scheduler._prefill_token_seconds = 0.01  # as if a whole prefill had been timed: chunks of prompt_chunk's size
     events = run_to_the_end(scheduler, prompts, [GenerationConfig(max_new_tokens=n) for n in lengths])
     assert [[t for e in evs for t in e.token_ids] for evs in events] == expected
     assert scheduler.num_active == 0

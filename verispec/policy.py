@@ -567,23 +567,44 @@ def estimated_forward_seconds(costs: dict[int, float], tokens: int, token_second
     return costs[low] + (costs[high] - costs[low]) * (tokens - low) / (high - low)
 
 
-def largest_fitting_chunk(
-    costs: dict[int, float], base_tokens: int, share: float, draft_seconds: float, token_seconds: float, most: int
-) -> int:
-    """The most prompt tokens (1 .. most) that a decoding step over base_tokens can carry for `share` of itself more.
+# A prompt's chunk is the smallest that admits it within this much of the fastest rate (fewer, shorter stalls).
+CHUNK_TOLERANCE = 0.15
 
-    The step costs draft_seconds and a forward over base_tokens tokens; carrying c prompt tokens, a
-    forward over base_tokens + c, each as estimated_forward_seconds prices it from costs (measured
-    seconds of forwards by their tokens in all). Where the cost of a forward jumps (a kernel that takes
-    up to 8 rows, then another), the measured sizes show the jump and the chunk stays below it. At
-    least 1, so a prompt always goes in.
+
+def prompt_chunk(
+    costs: dict[int, float], base_tokens: int, share: float, draft_seconds: float, token_seconds: float, most: int,
+    credit: float, stall_steps: float,
+) -> tuple[int, float]:
+    """(prompt tokens a decoding step over base_tokens carries, 0 .. most; the prompt's credit after it).
+
+    The prompt has `share` of the streams' time on average, not in every step: each step saves share of itself
+    (draft_seconds and a forward over base_tokens) into the prompt's credit, and carrying c tokens spends what they
+    add to the forward, extra(c) = f(base + c) - f(base), as estimated_forward_seconds prices it from costs. A chunk
+    of c tokens carried whenever the credit pays for it admits min(c, c * saved / extra(c)) tokens a step (saved: one
+    step's share). The chunk is the smallest within CHUNK_TOLERANCE of the fastest among those that lengthen the
+    step by stall_steps steps at most, or the rest of the prompt where the credit pays for that; the step carries
+    nothing until the credit pays for it. Where a forward's cost
+    grows by the same seconds a token, that is share of each step, each step. Where it jumps (a kernel for a few
+    rows, then another), chunks just past the jump would pay the jump for a few tokens, many times a prefill's cost
+    per token, and a prompt among a few cheap streams would crawl in: the chunk is large enough to pay it instead.
     """
-    step = estimated_forward_seconds(costs, base_tokens, token_seconds)
-    limit = step + share * (draft_seconds + step)
-    fitting = [
-        c for c in range(1, most + 1) if estimated_forward_seconds(costs, base_tokens + c, token_seconds) <= limit
-    ]
-    return max(fitting, default=1)
+    step = draft_seconds + estimated_forward_seconds(costs, base_tokens, token_seconds)
+    forward = step - draft_seconds
+    saved = share * step
+    if saved <= 0:  # no share: a token a step, so that a prompt always goes in
+        return 1, credit
+    extra = [max(estimated_forward_seconds(costs, base_tokens + c, token_seconds) - forward, 0.0)
+             for c in range(1, most + 1)]  # extra[c - 1]: seconds c prompt tokens add to the forward
+    fitting = [c for c in range(1, most + 1) if extra[c - 1] <= stall_steps * step] or [1]
+    rate = {c: min(c, c * saved / extra[c - 1]) if extra[c - 1] > 0 else c for c in fitting}  # tokens a step
+    fastest = max(rate.values())
+    size = min(c for c in fitting if rate[c] * (1 + CHUNK_TOLERANCE) >= fastest)
+    credit += saved
+    if most in rate and extra[most - 1] <= credit:  # what is left of the prompt, at once
+        size = most
+    if extra[size - 1] > credit:
+        return 0, credit
+    return size, min(credit - extra[size - 1], saved)
 
 
 def _interpolated_range(table: dict[int, float], first: int, last: int) -> list[float] | None:

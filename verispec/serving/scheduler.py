@@ -48,7 +48,7 @@ from verispec.models.loading import LoadedModel, load_model
 from verispec.models.machine import forget_choice
 from verispec.models.transformer import PREFILL_CHUNK, Transformer
 from verispec.policy import (
-    AdaptiveController, ControllerSettings, estimated_forward_seconds, largest_fitting_chunk, moving_average,
+    AdaptiveController, ControllerSettings, estimated_forward_seconds, moving_average, prompt_chunk,
 )
 from verispec.sampling import TokenHistory, TokenLogprob, logits_to_probs, token_logprobs
 from verispec.drafters.batch_draft import PAD_TOKEN, BatchedDraftModel
@@ -151,6 +151,7 @@ class _Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     last_emit: float = 0.0
     prefilled: int = 0  # prompt tokens in the target cache (all but the last, once decoding)
+    chunk_credit: float = 0.0  # seconds of the streams' steps saved up for its next packed chunk (prompt_chunk)
     deadline: float | None = None  # time.perf_counter(): then it ends as if max_new_tokens were reached
     prompt_source: "_Sequence | None" = None  # another choice of the same request: its prompt's cache rows are copied
     # Per-sequence k: by drafter source, how often each draft position was reached and accepted.
@@ -941,9 +942,10 @@ class Scheduler:
         """The prompt tokens the step's forward over `verify_tokens` tokens carries for the sequence being admitted.
 
         The rest of the prompt where carrying it lengthens the step by WHOLE_PROMPT_STEPS steps at most. Else
-        the prompts' share of the step (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE) of
-        this step's drafting and its forward without the chunk) in prompt tokens, by the measured cost of
-        forwards of each size (largest_fitting_chunk); until a whole prefill was timed, PACKED_FIRST_CHUNK.
+        the prompts' share of the streams' time (as in prefill_budget: max(prompts / decoding, PREFILL_MIN_SHARE)
+        of each step's drafting and its forward without the chunk), on average over steps, in chunks that are
+        efficient by the measured cost of forwards of each size (prompt_chunk: none in some steps, so that a chunk
+        pays for a kernel's jump); until a whole prefill was timed, PACKED_FIRST_CHUNK.
         """
         prompt = sequence.prompt_ids[:-1]
         left = len(prompt) - sequence.prefilled
@@ -957,7 +959,10 @@ class Scheduler:
             if carrying <= (1 + WHOLE_PROMPT_STEPS) * step:
                 return prompt[sequence.prefilled :]
         share = max((1 + self.num_waiting) / len(self.active), PREFILL_MIN_SHARE)
-        size = largest_fitting_chunk(costs, verify_tokens, share, draft_seconds, self._prefill_token_seconds, most)
+        size, sequence.chunk_credit = prompt_chunk(
+            costs, verify_tokens, share, draft_seconds, self._prefill_token_seconds, most, sequence.chunk_credit,
+            WHOLE_PROMPT_STEPS,
+        )
         return prompt[sequence.prefilled : sequence.prefilled + size]
 
     def _emit(
