@@ -1,12 +1,14 @@
 """Plain decoding against the defaults (the suffix index, then the shipped head) through the server's scheduler at a
-fixed number of rows, one target loaded once and the two taking turns round after round (ABBA order), so that a
-shared machine's drift hits both alike: per-round tokens per second, their ratios and medians.
+fixed number of clients, one target loaded once and the two taking turns round after round (ABBA order), so that a
+shared machine's drift hits both alike: per-round tokens per second, their ratios and medians, and what the steps
+did (their records: rows decoding, prompt chunks).
 
-    .venv/bin/python benchmarks/scripts/interleaved_ab.py --rows 4 --workload chat --rounds 4
+    .venv/bin/python benchmarks/scripts/interleaved_ab.py --clients 16 --workload long-documents --rounds 4
 
-The requests go in at once (the first `rows` decode, the rest queue and are admitted as rows free up), greedy,
-128 new tokens; synchronous, no HTTP. A fresh scheduler each round: the controller learns from nothing, as a fresh
-server does.
+A closed loop, as `verispec bench-serve` runs: `clients` requests go in at once and each one that finishes is
+followed by the next, until every prompt ran `repeat` times; greedy, 128 new tokens; chunked prefill, as `verispec
+serve` does; synchronous, no HTTP. A fresh scheduler each round: the controller learns from nothing, as a fresh
+server does. Every defaults output is checked against plain's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from verispec import GenerationConfig
 from verispec.bench.workloads import load_workload, render_prompt
+from verispec.core import StepRecord
 from verispec.drafters import HEAD_DRAFT, load_head
 from verispec.models.loading import load_model
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
@@ -28,44 +31,65 @@ TARGET = "qwen2.5-coder-1.5b-instruct"
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
-def tokens_per_second(target, head, prompts: list[list[int]], rows: int, defaults: bool) -> float:
+def closed_loop(target, head, prompts: list[list[int]], clients: int, defaults: bool) -> tuple[float, list, str]:
+    """(tokens per second, each request's tokens, what the steps did) of one run."""
     scheduler = Scheduler(
-        target, head if defaults else None, "composite" if defaults else "none", "auto", 8,
-        SchedulerLimits(max_batch_size=rows, max_context=2048), None, target.model.batch_invariant, False, None,
+        target, draft_model=head if defaults else None, drafter="composite" if defaults else "none", k="auto",
+        limits=SchedulerLimits(max_batch_size=clients, max_context=2048), chunked_prefill=True, synchronous=True,
     )
-    scheduler.synchronous = True
-    handles = [scheduler.submit(prompt, GenerationConfig(max_new_tokens=128)) for prompt in prompts]
+    steps: list[StepRecord] = []
+    scheduler.step_observers.append(steps.append)
+    waiting = list(prompts)
+    config = GenerationConfig(max_new_tokens=128)
+    handles = [scheduler.submit(waiting.pop(0), config) for _ in range(min(clients, len(waiting)))]
     started = time.perf_counter()
-    while scheduler.run_once():
-        pass
+    while True:
+        busy = scheduler.run_once()
+        while waiting and scheduler.num_active + scheduler.num_waiting < clients:
+            handles.append(scheduler.submit(waiting.pop(0), config))
+        if not busy and not waiting:
+            break
     seconds = time.perf_counter() - started
-    return sum(len(event.token_ids) for handle in handles for event in handle.iter_events()) / seconds
+    outputs = [[token for event in handle.iter_events() for token in event.token_ids] for handle in handles]
+    chunks = [step.chunk_tokens for step in steps if step.chunk_tokens]
+    rows = statistics.mean(len(step.rows) for step in steps) if steps else 0.0
+    drafting = sum(any(row.drafted for row in step.rows) for step in steps)
+    what = (f"{len(steps)} steps ({drafting} drafting), {rows:.1f} rows on average, {len(chunks)} prompt chunks "
+            f"(median {statistics.median(chunks) if chunks else 0} tokens)")
+    return sum(map(len, outputs)) / seconds, outputs, what
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--clients", type=int, required=True)
     parser.add_argument("--workload", default="humaneval",
                         help="humaneval, chat, or a JSONL file's stem in benchmarks/workloads")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=None, help="default: twice the rows, at least 8")
+    parser.add_argument("--limit", type=int, default=None, help="prompts of the workload (default: all)")
+    parser.add_argument("--repeat", type=int, default=2, help="requests per prompt (a served run's 32 of 16)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model(TARGET, "auto", False, "auto")
     head = load_head(HEAD_DRAFT, target)
     source = args.workload if args.workload in ("humaneval", "chat") else str(WORKLOADS / f"{args.workload}.jsonl")
-    items = load_workload(source)[: args.requests or max(2 * args.rows, 8)]
-    prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items]
-    figures = {False: [], True: []}
+    items = load_workload(source, args.limit)
+    prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items] * args.repeat
+    figures: dict[bool, list[float]] = {False: [], True: []}
+    plain_outputs = None
     for round_ in range(args.rounds):
         for defaults in ((False, True) if round_ % 2 == 0 else (True, False)):
-            figures[defaults].append(tokens_per_second(target, head, prompts, args.rows, defaults))
+            rate, outputs, what = closed_loop(target, head, prompts, args.clients, defaults)
+            figures[defaults].append(rate)
+            if not defaults:
+                plain_outputs = outputs
             name = "defaults" if defaults else "plain"
-            print(f"round {round_} {name}: {figures[defaults][-1]:.2f} tok/s", flush=True)
+            print(f"round {round_} {name}: {rate:.2f} tok/s; {what}", flush=True)
+            if defaults and plain_outputs is not None and outputs != plain_outputs:
+                raise SystemExit(f"round {round_}: the defaults' outputs differ from plain decoding's")
     ratios = [d / p for d, p in zip(figures[True], figures[False])]
-    print(f"{args.workload}, {args.rows} rows: plain {statistics.median(figures[False]):.2f} tok/s, defaults "
+    print(f"{args.workload}, {args.clients} clients: plain {statistics.median(figures[False]):.2f} tok/s, defaults "
           f"{statistics.median(figures[True]):.2f}; ratios {', '.join(f'{r:.3f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.3f}")
+          f"median {statistics.median(ratios):.3f}; outputs equal to plain's")
 
 
 if __name__ == "__main__":
