@@ -8,6 +8,7 @@ cover what needs a hand on the scheduler (a deadline, an unexpected failure, COR
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import select
@@ -25,6 +26,11 @@ from verispec.serving.app import create_app
 from verispec.serving.guard import ServerSettings, served_model_name
 from verispec.serving.metrics import ServerMetrics
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
+
+# A server under a loaded machine (the suite's other worker, a model loading) may take seconds to answer; what these
+# tests check is what it answers, so they wait as long as the openai clients below do rather than httpx's 5 s.
+post = functools.partial(httpx.post, timeout=60)
+get = functools.partial(httpx.get, timeout=60)
 
 KEY, OTHER_KEY = "sk-verispec-test-1", "sk-verispec-test-2"
 HEADER_TIMEOUT = BODY_TIMEOUT = 1.0
@@ -51,7 +57,7 @@ def authorized(key: str = KEY) -> dict:
 
 
 def model_id(url: str) -> str:
-    return httpx.get(f"{url}/v1/models", headers=authorized()).json()["data"][0]["id"]
+    return get(f"{url}/v1/models", headers=authorized()).json()["data"][0]["id"]
 
 
 def is_openai_error(response: httpx.Response, status: int) -> dict:
@@ -92,21 +98,21 @@ def test_a_wrong_or_missing_key_is_refused_and_either_key_works(guarded):
         wrong.completions.create(model=name, prompt="def", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
-    missing = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "def", "max_tokens": 2})
+    missing = post(f"{url}/v1/completions", json={"model": name, "prompt": "def", "max_tokens": 2})
     error = is_openai_error(missing, 401)
     assert error["code"] == "invalid_api_key" and "Authorization: Bearer" in error["message"]
     assert missing.headers["www-authenticate"] == "Bearer"
     for key in (KEY, OTHER_KEY):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
         assert client.completions.create(model=name, prompt="def", max_tokens=2).usage.completion_tokens == 2
-    assert httpx.get(f"{url}/health").status_code == 200  # open: load balancers probe it without a key
-    assert "verispec_http_requests" in httpx.get(f"{url}/metrics").text
+    assert get(f"{url}/health").status_code == 200  # open: load balancers probe it without a key
+    assert "verispec_http_requests" in get(f"{url}/metrics").text
 
 
 def test_the_model_id_is_the_directorys_name_never_a_path(guarded, tiny_dir):
     url, _ = guarded
     assert model_id(url) == tiny_dir.name
-    error = is_openai_error(httpx.post(f"{url}/v1/completions", headers=authorized(),
+    error = is_openai_error(post(f"{url}/v1/completions", headers=authorized(),
                                        json={"model": "other", "prompt": "x"}), 404)
     assert str(tiny_dir.parent) not in error["message"]
     assert served_model_name(str(tiny_dir)) == tiny_dir.name
@@ -117,8 +123,8 @@ def test_the_model_id_is_the_directorys_name_never_a_path(guarded, tiny_dir):
 def test_docs_are_off_and_a_foreign_host_is_refused(guarded):
     url, _ = guarded
     for path in ("/docs", "/openapi.json"):
-        is_openai_error(httpx.get(f"{url}{path}"), 404)
-    error = is_openai_error(httpx.get(f"{url}/health", headers={"Host": "evil.example"}), 400)
+        is_openai_error(get(f"{url}{path}"), 404)
+    error = is_openai_error(get(f"{url}/health", headers={"Host": "evil.example"}), 400)
     assert "host" in error["message"].lower()
 
 
@@ -127,7 +133,7 @@ def test_the_body_must_be_json(guarded):
     body = json.dumps({"model": model_id(url), "prompt": "def", "max_tokens": 2}).encode()
     for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
         headers = authorized() | ({"Content-Type": content_type} if content_type else {})
-        response = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
+        response = post(f"{url}/v1/completions", content=body, headers=headers)
         assert is_openai_error(response, 415)["code"] == "unsupported_media_type"
 
 
@@ -213,7 +219,7 @@ def test_connections_beyond_the_cap_are_answered_503(guarded):
         for sock in held:
             sock.close()
     deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/health").status_code != 200:  # the held ones are gone: served again
+    while get(f"{url}/health").status_code != 200:  # the held ones are gone: served again
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -232,7 +238,7 @@ def test_a_client_leaving_while_its_body_is_read_is_no_error(guarded):
     assert "Traceback" not in added and "ERROR" not in added
     lines = [json.loads(line) for line in added.splitlines() if line.startswith("{")]
     assert any(line["status"] == 499 and line["path"] == "/v1/completions" for line in lines)
-    metrics = httpx.get(f"{url}/metrics").text
+    metrics = get(f"{url}/metrics").text
     assert 'status="499"' in metrics
 
 
@@ -241,15 +247,15 @@ def test_a_client_giving_up_on_a_whole_response_is_no_error(guarded):
     url, log_path = guarded
     body = {"model": model_id(url), "prompt": "def add(a, b):", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{url}/v1/completions", json=body, headers=authorized() | {"x-request-id": "gives-up"}, timeout=0.2)
+        post(f"{url}/v1/completions", json=body, headers=authorized() | {"x-request-id": "gives-up"}, timeout=0.2)
     deadline = time.monotonic() + 10
     while '"gives-up"' not in log_path.read_text():
         assert time.monotonic() < deadline, "the abandoned request never reached the access log"
         time.sleep(0.05)
     line = next(json.loads(x) for x in log_path.read_text().splitlines() if '"gives-up"' in x)
     assert line["status"] == 499 and line["finish_reason"] == "cancelled"
-    assert 'code="cancelled"' not in httpx.get(f"{url}/metrics").text
-    while httpx.get(f"{url}/health").json()["active"]:  # its sequence is freed at the scheduler's next step
+    assert 'code="cancelled"' not in get(f"{url}/metrics").text
+    while get(f"{url}/health").json()["active"]:  # its sequence is freed at the scheduler's next step
         assert time.monotonic() < deadline + 5, "the abandoned request's sequence was never freed"
         time.sleep(0.05)
 
@@ -260,11 +266,11 @@ def test_a_client_giving_up_on_a_whole_response_is_no_error(guarded):
 def test_request_ids_are_echoed_and_the_access_log_has_the_generations_figures(guarded):
     url, log_path = guarded
     body = {"model": model_id(url), "prompt": "def add(a, b):", "max_tokens": 12, "ignore_eos": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers=authorized() | {"x-request-id": "trace-42"})
+    response = post(f"{url}/v1/completions", json=body, headers=authorized() | {"x-request-id": "trace-42"})
     assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"
-    made = httpx.get(f"{url}/health").headers["x-request-id"]
+    made = get(f"{url}/health").headers["x-request-id"]
     assert len(made) == 32 and made != "trace-42"
-    bad = httpx.get(f"{url}/health", headers={"x-request-id": "has spaces and\ttabs"}).headers["x-request-id"]
+    bad = get(f"{url}/health", headers={"x-request-id": "has spaces and\ttabs"}).headers["x-request-id"]
     assert " " not in bad
     deadline = time.monotonic() + 5
     while '"trace-42"' not in log_path.read_text():
@@ -316,7 +322,7 @@ def test_a_one_megabyte_prompt_does_not_stall_a_running_stream(guarded):
         assert streaming.is_alive(), "the stream ended early"
         time.sleep(0.01)
     big_start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/completions", headers=authorized(), timeout=120,
+    response = post(f"{url}/v1/completions", headers=authorized(), timeout=120,
                           json={"model": name, "prompt": text, "max_tokens": 1})
     big_end = time.perf_counter()
     streaming.join(timeout=120)
