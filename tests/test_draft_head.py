@@ -250,7 +250,7 @@ def test_a_rows_head_cache_holds_what_teacher_forcing_the_whole_text_gives(targe
     """Drafts from an oracle (plain decoding's own continuation: every draft accepted, several tokens a step), the
     head's committed entries after decoding are those of one teacher-forced pass over the text: each position's
     hidden state paired with the token after it, whatever step committed it."""
-    from verispec.drafters.batch_draft import BatchedDraftModel
+    from verispec.drafters.batch_draft import ChainDrafter
 
     prompt = target.encode(PROMPTS[0])
     [continuation] = plain_tokens(target, [PROMPTS[0]], 30)
@@ -259,7 +259,7 @@ def test_a_rows_head_cache_holds_what_teacher_forcing_the_whole_text_gives(targe
     def oracle(self, logits, tokens, drafted, *args):
         return text[len(tokens) + len(drafted)]
 
-    monkeypatch.setattr(BatchedDraftModel, "_draw", oracle)
+    monkeypatch.setattr(ChainDrafter, "_draw", oracle)
     head = load_head(head_file(target, tmp_path, seed=8), target)
     engine = SpeculativeEngine(target, make_drafter("draft-model", target, str(tmp_path / "head.safetensors")))
     stream = engine.stream(prompt, GenerationConfig(max_new_tokens=30, k=3))

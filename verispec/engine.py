@@ -16,7 +16,7 @@ from typing import Iterator
 
 from verispec.config import GenerationConfig
 from verispec.core.step_record import StepRecord
-from verispec.drafters.base import Drafter
+from verispec.drafters.base import Drafter, as_drafter
 from verispec.drafters.composite import CompositeDrafter
 from verispec.drafters.draft_format import current_draft
 from verispec.drafters.draft_model import DraftModelDrafter
@@ -87,7 +87,7 @@ class SpeculativeEngine:
             model_drafter.model = current_draft(model_drafter.model)
             draft_model, own, name = model_drafter.model, (lambda: lookup), "composite"
         elif drafter is not None:
-            own, name = (lambda: drafter), getattr(drafter, "source", None) or "own"
+            own, name = (lambda: drafter), as_drafter(drafter).source or "own"
         return Scheduler(
             self.target, draft_model, name, k=config.k, k_max=config.k_max,
             limits=SchedulerLimits(max_batch_size=1, max_waiting=1, max_context=context, prefix_cache_bytes=0),
@@ -100,7 +100,7 @@ def _lookup_then_model(composite: CompositeDrafter) -> bool:
     if len(composite.drafters) != 2:
         return False
     lookup, model = composite.drafters
-    return isinstance(model, DraftModelDrafter) and hasattr(lookup, "can_propose") and bool(getattr(lookup, "source", ""))
+    return isinstance(model, DraftModelDrafter) and lookup.tells_if_it_proposes and bool(lookup.source)
 
 
 class TextStream:

@@ -4,7 +4,8 @@ The one draft-model implementation: the scheduler drafts for its rows with it, a
 (a single request's drafter) is a batch of one of it. Because any draft distribution q is allowed
 (verification corrects for it), the draft may be made cheaper than its checkpoint: weight-only
 quantization and a restricted output vocabulary (q is zero elsewhere) keep the output exactly the
-target's, and only change how often drafts are accepted.
+target's, and only change how often drafts are accepted. Its propose loop (`ChainDrafter`) is the batched
+draft head's too (batch_head).
 
 Row b of the draft cache belongs to the sequence in row b of the target cache; the scheduler keeps
 both compact (active sequences in rows 0 .. n-1) and moves rows together. Each row rolls itself back
@@ -18,124 +19,47 @@ controller chooses plain steps and the draft model then costs nothing, not even 
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.drafters.base import LONG_TAIL, Proposal
+from verispec.drafters.base import LONG_TAIL, BatchedProposer, Proposal
 from verispec.grammar import Grammar, fit_mask
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, TokenHistory, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from verispec.drafters.draft_head import HeadLayer
 
 PAD_TOKEN = 0  # fills ragged inputs on the right; its keys/values land in scratch slots never committed
 # A row further behind than LONG_TAIL catches up alone, so the others are not padded to its length.
 
 
-class BatchedDraftModel:
-    source = "draft-model"
+class ChainDrafter(BatchedProposer):
+    """Chain drafting for rows 0 .. n-1: one forward of a draft (a model, or a head over the target's hidden
+    states) per draft position for all rows, each row drafting from its own q. The propose loop, sampling, grammar
+    and per-row faults are here; a subclass keeps its rows' caches and feeds them (_sync, _catch_up, _feed)."""
 
-    def __init__(self, model: Transformer, target_vocab_size: int, max_batch_size: int, capacity: int) -> None:
+    def __init__(self, model: "Transformer | HeadLayer", target_vocab_size: int) -> None:
+        super().__init__()
         self.model = model
-        self.target_vocab_size = target_vocab_size
-        self.cache = model.new_cache(max_batch_size, capacity)
-        self.cached_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # per row, in cache order
-        self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
-        self.skipped = [0] * max_batch_size  # committed tokens at the start the row never saw (restart_window)
-        self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
-        self.catch_up_tokens = 0  # tokens those long tails held
-        self.faults: dict[int, Exception] = {}  # of the last propose(): rows whose own sampling or grammar failed
+        self.target_vocab_size = target_vocab_size  # q is reported over the target's vocabulary
 
-    def add(self, row: int) -> None:
-        """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
-        self.cache.lengths[row] = 0
-        self.cached_tokens[row] = []
-        self.known_committed[row] = 0
-        self.skipped[row] = 0
+    @abstractmethod
+    def _sync(self, row: int, tokens: list[int]) -> list[int] | None:
+        """Bring the row back to what it shares with its committed `tokens`; return the tokens it still has to be
+        fed (the newest always), or None where it cannot draft."""
 
-    def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
-        """Start a new sequence in `destination` with what row `source` holds of the same prompt (n choices)."""
-        length = min(len(self.cached_tokens[source]), prompt_length - 1)
-        self.cache.copy_prefix(source, destination, length)
-        self.cached_tokens[destination] = self.cached_tokens[source][:length]
-        self.known_committed[destination] = length
-        self.skipped[destination] = 0
-
-    def prefill(self, row: int, token_ids: list[int]) -> None:
-        """Feed a new sequence's committed tokens (its prompt but the last token) to `row` now, not at its first proposal."""
-        self.model.prefill(token_ids, self.cache.rows(row, row + 1))
-        self.cached_tokens[row].extend(token_ids)
-        self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
-
-    def restart_window(self, row: int, tokens: list[int], window: int) -> None:
-        """Let the row see only the last `window` of its committed `tokens` from now on: its next proposal feeds
-        those (at positions from 0) instead of everything it missed. Any draft is verified exactly, so a shorter
-        context costs acceptance at most, and the catch-up costs `window` tokens however far behind it was."""
-        self.skipped[row] = max(0, len(tokens) - window)
-        self.cache.lengths[row] = 0
-        self.cached_tokens[row] = []
-        self.known_committed[row] = self.skipped[row]
-
-    def behind(self, row: int, tokens: list[int]) -> int:
-        """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
-        return len(tokens) - self.known_committed[row]
-
-    def move(self, source: int, destination: int) -> None:
-        self.cache.move_row(source, destination)
-        self.cached_tokens[destination] = self.cached_tokens[source]
-        self.known_committed[destination] = self.known_committed[source]
-        self.skipped[destination] = self.skipped[source]
-
-    def _sync(self, row: int, tokens: list[int]) -> list[int]:
-        """Roll row back to the prefix it shares with `tokens` (past what it skipped); return the tokens it still has
-        to see."""
-        cached, skipped = self.cached_tokens[row], self.skipped[row]
-        limit = min(len(cached), len(tokens) - skipped - 1)  # the newest token is always fed
-        common = max(min(self.known_committed[row] - skipped, limit), 0)
-        while common < limit and cached[common] == tokens[skipped + common]:
-            common += 1
-        self.known_committed[row] = len(tokens)
-        del cached[common:]
-        self.cache.lengths[row] = common
-        return tokens[skipped + common :]
-
+    @abstractmethod
     def _catch_up(self, row: int, tail: list[int], limit: int | None) -> list[int] | None:
-        """Feed a long tail (a prompt, or plain steps) to the row alone: all but its last token, or at most
-        `limit` tokens of it. Returns what is left to feed with the batch; None while still behind."""
-        if len(tail) <= LONG_TAIL:
-            return tail
-        if limit is not None and limit <= 0:  # this step's catch-up budget is spent: the rest next time
-            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
-            return None
-        fed = tail[: len(tail) - 1 if limit is None else min(len(tail) - 1, limit)]
-        self.catch_up_tokens += len(fed)
-        view = self.cache.rows(row, row + 1)
-        self.model.forward(torch.tensor([fed]), view, last_only=True)
-        view.commit(len(fed))
-        self.cached_tokens[row].extend(fed)
-        rest = tail[len(fed) :]
-        if len(rest) > LONG_TAIL:  # the rest next time: no draft from this row this step
-            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
-            return None
-        return rest
+        """Feed a tail longer than LONG_TAIL to the row alone (at most `limit` tokens where it binds); return what is
+        left to feed with the batch, or None while it is still behind."""
 
+    @abstractmethod
     def _feed(self, inputs: list[list[int] | None]) -> torch.Tensor:
-        """Append each row's tokens (ragged; None = skip the row) to rows 0 .. n-1.
-
-        Returns logits at each row's last token, (n, V'); a skipped row gets a pad whose keys
-        and values are never committed, and its logits mean nothing.
-        """
-        n = len(inputs)
-        width = max(len(row) for row in inputs if row is not None)
-        ids = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, T)
-        lengths = torch.zeros(n, dtype=torch.long)  # (n,) tokens to commit per row
-        for b, row in enumerate(inputs):
-            if row is not None:
-                ids[b, : len(row)] = torch.tensor(row)
-                lengths[b] = len(row)
-                self.cached_tokens[b].extend(row)
-        view = self.cache.rows(0, n)
-        logits = self.model.forward(ids, view)  # (n, T, V')
-        view.commit(lengths)
-        return logits[torch.arange(n), (lengths - 1).clamp(min=0)]  # (n, V')
+        """Append each row's tokens (ragged; None = skip the row) to rows 0 .. n-1; draft scores at each row's last
+        input, (n, V')."""
 
     def _to_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., V') over the draft's ids -> (..., V) over the target's (the draft's extra ids are never sampled)."""
@@ -250,3 +174,107 @@ class BatchedDraftModel:
             else Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
             for b in range(n)
         ]
+
+
+class BatchedDraftModel(ChainDrafter):
+    source = "draft-model"
+
+    def __init__(self, model: Transformer, target_vocab_size: int, max_batch_size: int, capacity: int) -> None:
+        super().__init__(model, target_vocab_size)
+        self.cache = model.new_cache(max_batch_size, capacity)
+        self.cached_tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # per row, in cache order
+        self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
+        self.skipped = [0] * max_batch_size  # committed tokens at the start the row never saw (restart_window)
+
+    def add(self, row: int) -> None:
+        """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
+        self.cache.lengths[row] = 0
+        self.cached_tokens[row] = []
+        self.known_committed[row] = 0
+        self.skipped[row] = 0
+
+    def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
+        """Start a new sequence in `destination` with what row `source` holds of the same prompt (n choices)."""
+        length = min(len(self.cached_tokens[source]), prompt_length - 1)
+        self.cache.copy_prefix(source, destination, length)
+        self.cached_tokens[destination] = self.cached_tokens[source][:length]
+        self.known_committed[destination] = length
+        self.skipped[destination] = 0
+
+    def prefill(self, row: int, token_ids: list[int]) -> None:
+        """Feed a new sequence's committed tokens (its prompt but the last token) to `row` now, not at its first proposal."""
+        self.model.prefill(token_ids, self.cache.rows(row, row + 1))
+        self.cached_tokens[row].extend(token_ids)
+        self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
+
+    def restart_window(self, row: int, tokens: list[int], window: int) -> None:
+        """Let the row see only the last `window` of its committed `tokens` from now on: its next proposal feeds
+        those (at positions from 0) instead of everything it missed. Any draft is verified exactly, so a shorter
+        context costs acceptance at most, and the catch-up costs `window` tokens however far behind it was."""
+        self.skipped[row] = max(0, len(tokens) - window)
+        self.cache.lengths[row] = 0
+        self.cached_tokens[row] = []
+        self.known_committed[row] = self.skipped[row]
+
+    def behind(self, row: int, tokens: list[int]) -> int:
+        """How many committed tokens the row has not seen yet (about; rejected drafts aside)."""
+        return len(tokens) - self.known_committed[row]
+
+    def move(self, source: int, destination: int) -> None:
+        self.cache.move_row(source, destination)
+        self.cached_tokens[destination] = self.cached_tokens[source]
+        self.known_committed[destination] = self.known_committed[source]
+        self.skipped[destination] = self.skipped[source]
+
+    def _sync(self, row: int, tokens: list[int]) -> list[int]:
+        """Roll row back to the prefix it shares with `tokens` (past what it skipped); return the tokens it still has
+        to see."""
+        cached, skipped = self.cached_tokens[row], self.skipped[row]
+        limit = min(len(cached), len(tokens) - skipped - 1)  # the newest token is always fed
+        common = max(min(self.known_committed[row] - skipped, limit), 0)
+        while common < limit and cached[common] == tokens[skipped + common]:
+            common += 1
+        self.known_committed[row] = len(tokens)
+        del cached[common:]
+        self.cache.lengths[row] = common
+        return tokens[skipped + common :]
+
+    def _catch_up(self, row: int, tail: list[int], limit: int | None) -> list[int] | None:
+        """Feed a long tail (a prompt, or plain steps) to the row alone: all but its last token, or at most
+        `limit` tokens of it. Returns what is left to feed with the batch; None while still behind."""
+        if len(tail) <= LONG_TAIL:
+            return tail
+        if limit is not None and limit <= 0:  # this step's catch-up budget is spent: the rest next time
+            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
+            return None
+        fed = tail[: len(tail) - 1 if limit is None else min(len(tail) - 1, limit)]
+        self.catch_up_tokens += len(fed)
+        view = self.cache.rows(row, row + 1)
+        self.model.forward(torch.tensor([fed]), view, last_only=True)
+        view.commit(len(fed))
+        self.cached_tokens[row].extend(fed)
+        rest = tail[len(fed) :]
+        if len(rest) > LONG_TAIL:  # the rest next time: no draft from this row this step
+            self.known_committed[row] = self.skipped[row] + len(self.cached_tokens[row])
+            return None
+        return rest
+
+    def _feed(self, inputs: list[list[int] | None]) -> torch.Tensor:
+        """Append each row's tokens (ragged; None = skip the row) to rows 0 .. n-1.
+
+        Returns logits at each row's last token, (n, V'); a skipped row gets a pad whose keys
+        and values are never committed, and its logits mean nothing.
+        """
+        n = len(inputs)
+        width = max(len(row) for row in inputs if row is not None)
+        ids = torch.full((n, width), PAD_TOKEN, dtype=torch.long)  # (n, T)
+        lengths = torch.zeros(n, dtype=torch.long)  # (n,) tokens to commit per row
+        for b, row in enumerate(inputs):
+            if row is not None:
+                ids[b, : len(row)] = torch.tensor(row)
+                lengths[b] = len(row)
+                self.cached_tokens[b].extend(row)
+        view = self.cache.rows(0, n)
+        logits = self.model.forward(ids, view)  # (n, T, V')
+        view.commit(lengths)
+        return logits[torch.arange(n), (lengths - 1).clamp(min=0)]  # (n, V')

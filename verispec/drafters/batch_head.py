@@ -10,7 +10,7 @@ position adds a speculative entry (the head's own prediction, its draft) that th
 A row sees the hidden states from the first position it was handed on (a prompt found in the prefix
 cache was never computed, so its head starts after it); verification is exact either way, and a
 shorter context costs acceptance at most. The propose loop, sampling, grammar and per-row faults are
-the batched draft model's (`BatchedDraftModel.propose`).
+the batched draft model's too (`ChainDrafter.propose`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ import time
 import torch
 
 from verispec.drafters.base import LONG_TAIL
-from verispec.drafters.batch_draft import PAD_TOKEN, BatchedDraftModel
+from verispec.drafters.batch_draft import PAD_TOKEN, ChainDrafter
 from verispec.drafters.draft_head import HeadLayer
 
 
-class BatchedDraftHead(BatchedDraftModel):
+class BatchedDraftHead(ChainDrafter):
     source = "draft-head"
+    needs_hidden_states = True
 
     def __init__(self, head: HeadLayer, target_vocab_size: int, max_batch_size: int, capacity: int) -> None:
-        self.model = head
-        self.target_vocab_size = target_vocab_size
+        super().__init__(head, target_vocab_size)
         self.keys, self.values = head.new_cache(max_batch_size, capacity)  # (B, H, capacity, D) each
         # Committed entries (the target's features) per row, as Python ints: observe runs for every row of every
         # step, and a tensor op there is a GIL hand-off a served step waits on, once per row.
@@ -40,9 +40,6 @@ class BatchedDraftHead(BatchedDraftModel):
         self.written = torch.zeros(max_batch_size, dtype=torch.long)  # entries in the cache now, drafts' included
         self._inputs: list[torch.Tensor | None] = [None] * max_batch_size  # features of each row's next feed
         self._first_feed = True  # the next _feed is a proposal's first: the target's hidden states, not predictions
-        self.catch_up_seconds = 0.0
-        self.catch_up_tokens = 0
-        self.faults: dict[int, Exception] = {}
 
     # -- the rows ---------------------------------------------------------------------------------
 
@@ -83,9 +80,6 @@ class BatchedDraftHead(BatchedDraftModel):
             self.pending[destination] = [pending[: end - kept]]
             self.pending_count[destination] = len(self.pending[destination][0])
 
-    def prefill(self, row: int, token_ids: list[int]) -> None:
-        raise NotImplementedError("a draft head is fed the target's hidden states (observe), not tokens")
-
     def restart_window(self, row: int, tokens: list[int], window: int) -> None:
         """Keep only the last `window` positions not fed yet: the next proposal feeds those, not the whole backlog."""
         if self.pending_count[row] <= window:
@@ -110,7 +104,7 @@ class BatchedDraftHead(BatchedDraftModel):
         self.pending_count[destination] = self.pending_count[source]
         self._inputs[destination] = None
 
-    # -- BatchedDraftModel.propose's parts --------------------------------------------------------
+    # -- ChainDrafter.propose's parts -------------------------------------------------------------
 
     def _sync(self, row: int, tokens: list[int]) -> list[int] | None:
         """Drop the row's draft entries; return the next tokens of the positions it has to feed (None: it cannot

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.drafters.base import Drafter, Proposal
+from verispec.drafters.base import Drafter, Proposal, as_drafter
 from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from verispec.grammar import Grammar
 
 
-class CompositeDrafter:
+class CompositeDrafter(Drafter):
     def __init__(self, drafters: list[Drafter]) -> None:
         if not drafters:
             raise ValueError("a composite drafter needs at least one drafter")
-        self.drafters = drafters
+        self.drafters = [as_drafter(drafter) for drafter in drafters]
 
     def begin(self, prompt_ids: list[int], max_length: int) -> None:
         for drafter in self.drafters:
@@ -35,15 +35,15 @@ class CompositeDrafter:
     def next_source(self, tokens: list[int]) -> str | None:
         """Which drafter propose(tokens, ...) will use: the first lookup with a match, else the last drafter.
 
-        None when a drafter cannot tell (one without `can_propose` or `source`, as a user's own may be).
+        None when a drafter cannot tell (one that does not tell whether it proposes, or has no `source`, as a user's
+        own may be).
         """
         for drafter in self.drafters[:-1]:
-            can_propose = getattr(drafter, "can_propose", None)
-            if can_propose is None:
+            if not drafter.tells_if_it_proposes:
                 return None
-            if can_propose(tokens):
-                return getattr(drafter, "source", None)
-        return getattr(self.drafters[-1], "source", None)
+            if drafter.can_propose(tokens):
+                return drafter.source or None
+        return self.drafters[-1].source or None
 
     drafts_under_grammar = True  # handed on to the drafters that take one
 
@@ -53,7 +53,7 @@ class CompositeDrafter:
     ) -> Proposal:
         """The first drafter's proposal that is not empty (the last drafter's otherwise)."""
         for drafter in self.drafters:
-            constrained = grammar is not None and getattr(drafter, "drafts_under_grammar", False)
+            constrained = grammar is not None and drafter.drafts_under_grammar
             proposal = drafter.propose(tokens, k, params, generator, grammar) if constrained else drafter.propose(
                 tokens, k, params, generator
             )

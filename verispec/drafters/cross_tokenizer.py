@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from verispec.drafters.base import LONG_TAIL, Proposal
+from verispec.drafters.base import LONG_TAIL, Drafter, Proposal
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import LoadedModel
 from verispec.sampling import SamplingParams
@@ -25,7 +25,7 @@ from verispec.sampling import SamplingParams
 BOUNDARY_TOKENS = 3  # committed target tokens re-encoded with the draft's text
 
 
-class CrossTokenizerDrafter:
+class CrossTokenizerDrafter(Drafter):
     source = "cross-tokenizer"
 
     def __init__(self, draft: LoadedModel, target: LoadedModel) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Drafter, Proposal
 from verispec.drafters.batch_draft import BatchedDraftModel
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from verispec.grammar import Grammar
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     source = "draft-model"
     drafts_under_grammar = True  # propose takes a grammar (see Drafter)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Drafter, Proposal
 from verispec.sampling import SamplingParams
 
 
@@ -31,8 +31,9 @@ def find_continuation(tokens: torch.Tensor, k: int, min_ngram: int, max_ngram: i
     return []
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     source = "prompt-lookup"
+    tells_if_it_proposes = True
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
         if not 1 <= min_ngram <= max_ngram:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from verispec.drafters.base import Proposal
+from verispec.drafters.base import Drafter, Proposal
 from verispec.sampling import SamplingParams
 
 
@@ -106,8 +106,9 @@ def corpus_token_stream(paths: list[Path], encode: Callable[[str], list[int]]) -
             yield encode(text)
 
 
-class SuffixIndexDrafter:
+class SuffixIndexDrafter(Drafter):
     source = "suffix-index"
+    tells_if_it_proposes = True
 
     def __init__(self, depth: int = 16, min_match: int = 2, corpus: SuffixTrie | None = None) -> None:
         if depth < 2 or not 1 <= min_match < depth:

@@ -39,7 +39,7 @@ import torch
 
 from verispec.drafters import CrossTokenizerDrafter, composite_lookup, make_drafter, quantize_draft
 from verispec.drafters.draft_format import replace_format
-from verispec.drafters.base import LONG_TAIL, Drafter, Proposal, cut_to_grammar
+from verispec.drafters.base import LONG_TAIL, BatchedProposer, Drafter, Proposal, as_drafter, cut_to_grammar
 from verispec.config import GenerationConfig
 from verispec.core.step_record import RowStep, StepRecord
 from verispec.grammar import Grammar, SchemaError, compiler_for, constraint_for
@@ -243,13 +243,14 @@ class Scheduler:
         capacity = limits.max_context + self.k_max + 2
         self.cache = target.model.new_cache(limits.max_batch_size, capacity)
         self.prefix_cache = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
-        self.draft: BatchedDraftModel | None = None
+        self.draft: BatchedProposer | None = None
         if isinstance(draft_model, HeadLayer):
             self.draft = BatchedDraftHead(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
         elif draft_model is not None:
             self.draft = BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
         self.batched_source = self.draft.source if self.draft is not None else BatchedDraftModel.source
-        self.feeds_head = isinstance(self.draft, BatchedDraftHead)  # the target's forwards hand on hidden states
+        # The target's forwards hand on their hidden states (a draft head's input).
+        self.feeds_head = self.draft is not None and self.draft.needs_hidden_states
         self.draft_format_replacements = 0  # how often a draft format found slow while drafting was replaced
         self.target_format_replacements = 0  # how often a target format found slow while serving was replaced
         self._remembered_costs: str | None = None  # the remembered step costs' kind, until a step checked them
@@ -579,7 +580,7 @@ class Scheduler:
         sequence.prompt_source = None  # copied or not, it is needed no more
         if self.new_drafter is not None:  # lookup state is per sequence
             started = time.perf_counter()
-            sequence.drafter = self.new_drafter()
+            sequence.drafter = as_drafter(self.new_drafter())
             sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
             sequence.stats.prefill_seconds += time.perf_counter() - started
         self.active.append(sequence)
@@ -615,7 +616,7 @@ class Scheduler:
         drafted would index every row's backlog to serve the few that do."""
         if self.k != "auto" or self.draft is None or self.new_drafter is None:
             return True
-        lookup = next((getattr(s.drafter, "source", None) for s in self.active if s.drafter is not None), None)
+        lookup = next((s.drafter.source or None for s in self.active if s.drafter is not None), None)
         if lookup is None:
             return True
         stale = self._lookup_share is None or self._steps_since_lookups >= LOOKUP_SHARE_STEPS
@@ -628,8 +629,7 @@ class Scheduler:
             return self.batched_source if self.draft is not None else self.drafter
         if self.draft is not None:  # composite: the sequence's lookup where it finds something, else the draft model
             return own.source if own.can_propose(sequence.tokens) else self.batched_source
-        next_source = getattr(own, "next_source", None)
-        return next_source(sequence.tokens) if next_source is not None else getattr(own, "source", None)
+        return own.next_source(sequence.tokens)
 
     def _try(self, sequence: _Sequence, work: Callable, *args, default=None):
         """work(*args) on behalf of an active sequence; if it raises, the sequence is marked faulty (it takes no
@@ -763,7 +763,7 @@ class Scheduler:
         draft; a drafter that drafts under a grammar (drafts_under_grammar) is handed it."""
         drafter, grammar = sequence.drafter, sequence.grammar
         args = (sequence.tokens, k, sequence.config.sampling, sequence.generator)
-        if grammar is not None and getattr(drafter, "drafts_under_grammar", False):
+        if grammar is not None and drafter.drafts_under_grammar:
             return cut_to_grammar(drafter.propose(*args, grammar), grammar)
         return cut_to_grammar(drafter.propose(*args), grammar)
 
