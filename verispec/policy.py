@@ -588,8 +588,8 @@ def prompt_chunk(
     rows, then another), chunks just past the jump would pay the jump for a few tokens, many times a prefill's cost
     per token, and a prompt among a few cheap streams would crawl in: the chunk is large enough to pay it instead.
     """
-    step = draft_seconds + estimated_forward_seconds(costs, base_tokens, token_seconds)
-    forward = step - draft_seconds
+    forward = estimated_forward_seconds(costs, base_tokens, token_seconds)
+    step = draft_seconds + forward
     saved = share * step
     if saved <= 0:  # no share: a token a step, so that a prompt always goes in
         return 1, credit
