@@ -38,17 +38,23 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
-# The draft head `--draft head` loads, for the default target (benchmarks/draft_head/study.py: the target's own
-# answers to 448 prompts never measured, greedy and sampled, to about 600 questions it writes itself, and 300k tokens
-# of standard-library text, teacher-forced through it; then HEAD_MINUTES of training on this CPU and 20 more going on
-# from it: the recipe of benchmarks/results/xeon/draft-head run 4). About 2 h 30 min on 2 cores; each step's output
-# is kept in HEAD_WORK (about 6 GB), so a rerun picks up where it stopped.
+# The draft head `--draft head` loads, for the default target: the recipe of the head verispec ships
+# (benchmarks/results/xeon/shipped-head). benchmarks/draft_head/study.py collects the target's own greedy answers to
+# the training prompts (none of the measured ones) and 100k tokens of standard-library text teacher-forced through
+# it, trains HEAD_MINUTES on this CPU, then has the target write and answer about 600 questions of its own and
+# trains 20 more minutes from there. About 2 h on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so
+# a rerun picks up where it stopped. HEAD_MORE=1 adds sampled answers, 120 more chat questions and 200k more text
+# tokens before the first training (about 3 h more; run 4 of benchmarks/results/xeon/draft-head, on another Xeon,
+# had chat's first guess pass 55% of the time with them, against the shipped head's 48%).
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
-HEAD_MINUTES ?= 30
+HEAD_MINUTES ?= 40
+HEAD_MORE ?= 0
 head: models
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
-		--early-layers --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --early-layers --threads $(THREADS)
+	if [ "$(HEAD_MORE)" = 1 ]; then \
+		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS) && \
+		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
+			--early-layers --threads $(THREADS); fi
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 --early-layers --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --init --minutes 20 --threads $(THREADS)

@@ -1,6 +1,7 @@
 """A draft head over the target's own hidden states (EAGLE-style): its data, training and measurement (issue 31).
 
-`make head` runs collect --more, train and export: the head `--draft head` loads (verispec.drafters.draft_head).
+`make head` runs collect, train, collect --self-chat, train --init and export (HEAD_MORE=1: collect --more and more text
+first): the head `--draft head` loads (verispec.drafters.draft_head).
 
 The question: can a drafter that costs <= 0.15 of a target forward be accepted often enough to pay on these
 CPUs? Candidates measured here, both over the target's own last-layer features so that none needs a model of
