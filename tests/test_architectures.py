@@ -210,9 +210,9 @@ def test_legacy_config_fields_read_as_transformers_reads_them():
 
 def test_without_verispec_kernels_step_by_step_logits_are_transformers(architecture, monkeypatch):
     """torch's attention one query at a time (machines where the kernels do not build), a token per forward."""
-    from verispec.models import transformer
+    from verispec.models import attention, transformer
 
-    monkeypatch.setattr(transformer, "attention_kernel_runs", lambda head_dim, dtype: False)
+    monkeypatch.setattr(attention, "attention_kernel_runs", lambda head_dim, dtype: False)
     monkeypatch.setattr(transformer, "norm_kernel_runs", lambda x: False)
     name, directory, _ = architecture
     model = load_model(directory, "float32").model

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verispec.models import transformer
+from verispec.models import attention
 from verispec.models.loading import load_model
 
 pytestmark = pytest.mark.skipif(
-    not transformer.kernels_available(), reason="the attention kernel needs AVX-512 and a C++ compiler"
+    not attention.kernels_available(), reason="the attention kernel needs AVX-512 and a C++ compiler"
 )
 
 
@@ -70,7 +70,7 @@ def test_counts_outside_the_slots_are_refused():
 
 def test_without_the_kernel_a_fast_target_is_still_batch_invariant(tiny_dir, monkeypatch):
     """Where the kernel cannot run, one float32 torch call per query keeps verify == plain decoding."""
-    monkeypatch.setattr(transformer, "attention_kernel_runs", lambda head_dim, dtype: False)
+    monkeypatch.setattr(attention, "attention_kernel_runs", lambda head_dim, dtype: False)
     model = load_model(tiny_dir, "bfloat16", quantize="w4a8").model
     prefix, new = list(range(3, 40)), [50, 61, 72, 83, 94]
     cache = model.new_cache(1, 64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.models import transformer
+from verispec.models import attention, transformer
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
 from verispec.models.transformer import apply_rotary, rms_norm, rotate_half
@@ -170,7 +170,7 @@ def test_rms_norm_without_the_kernel_is_the_float32_formula_bit_for_bit(dtype, s
     assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_formula(x, weight, 1e-6))
 
 
-@pytest.mark.skipif(not transformer.kernels_available(), reason="the norm kernel needs AVX-512 and a C++ compiler")
+@pytest.mark.skipif(not attention.kernels_available(), reason="the norm kernel needs AVX-512 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 7, 1536), (1, 512, 1536), (2, 3, 64)])
 def test_the_norm_kernel_is_the_formula_and_gives_a_row_the_same_bits_in_any_batch(dtype, shape):
@@ -190,7 +190,7 @@ def test_the_norm_kernel_is_the_formula_and_gives_a_row_the_same_bits_in_any_bat
 
 
 def test_the_norm_kernel_refuses_mismatched_shapes_and_dtypes():
-    if not transformer.kernels_available():
+    if not attention.kernels_available():
         pytest.skip("the norm kernel needs AVX-512 and a C++ compiler")
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.verispec.rms_norm(torch.ones(2, 20), torch.ones(20), 1e-6)
@@ -269,6 +269,6 @@ def test_a_packed_forward_gives_each_row_what_it_gets_alone(tiny_dir, dtype, qua
 
 
 def test_attention_groups_pad_short_rows_together_and_leave_long_rows_alone():
-    assert transformer._attention_groups([3, 1, 0, 40, 2, 5]) == [(0, 2), (3, 4), (4, 6)]
-    assert transformer._attention_groups([0, 0]) == []
-    assert transformer._attention_groups([17, 2]) == [(0, 1), (1, 2)]
+    assert attention.attention_groups([3, 1, 0, 40, 2, 5]) == [(0, 2), (3, 4), (4, 6)]
+    assert attention.attention_groups([0, 0]) == []
+    assert attention.attention_groups([17, 2]) == [(0, 1), (1, 2)]

@@ -25,8 +25,9 @@ import torch
 from tqdm import tqdm
 
 from verispec.bench.machine import git_commit, machine_description, machine_line
+from verispec.models.attention import attention_per_row
 from verispec.models.loading import load_model
-from verispec.models.transformer import ACTIVATIONS, _attention_per_row, rms_norm
+from verispec.models.transformer import ACTIVATIONS, rms_norm
 
 PARTS = ("norms", "qkv", "position q/k", "cache write + attention", "out", "gate_up", "gate activation", "down")
 
@@ -115,7 +116,7 @@ def main() -> None:
         k = qk.narrow(2, heads, kv_heads).transpose(1, 2)  # (1, Hkv, 1, D)
         v = qkv.narrow(-1, q_size + kv_size, kv_size).view(1, 1, kv_heads, head_dim).transpose(1, 2)
         keys, values = cache.write(index, k, v, plan)
-        _attention_per_row(q, keys, values, [[args.context + 1]])
+        attention_per_row(q, keys, values, [[args.context + 1]])
 
     part_calls = {
         "norms": lambda i, layer, s: (rms_norm(s[0], layer.attn_norm, eps), rms_norm(s[0], layer.mlp_norm, eps)),

@@ -404,7 +404,7 @@ def build_kernel(quantize: str, progress: bool) -> None:
     """Build verispec's kernels now, with a progress line, when they can run here and are not built yet.
 
     `auto` (target or draft) times w4a8 among the other formats; every model attends over the few
-    tokens of a step with the attention kernel built beside it (verispec.models.transformer), which
+    tokens of a step with the attention kernel built beside it (verispec.models.attention), which
     would otherwise be built, silently, at the first forward. Only `--quantize w4a8` needs them.
     """
     if w4a8.unavailable_reason() is not None or w4a8.is_built():

@@ -19,7 +19,8 @@ So verispec builds this one (kernels/w4a8.cpp: AVX-512 VNNI, or AVX2 on CPUs wit
 the same integers, so the same bits) with torch.utils.cpp_extension the
 first time it is needed: seconds to a minute, once per machine and torch version, kept under the
 verispec cache. The same extension holds the one-query-at-a-time attention kernel
-(kernels/attention.cpp) and the RMS norm (kernels/norm.cpp), see verispec.models.transformer.
+(kernels/attention.cpp, see verispec.models.attention) and the RMS norm (kernels/norm.cpp, see
+verispec.models.transformer).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ COLUMNS = 16  # output columns per packed block
 # whose AMX / VNNI tiles win once the kernel here turns compute-bound: reading half the bytes stops paying
 # when enough rows share each read (benchmarks/archive/xeon/fast-w4a8/).
 KERNEL_MAX_ROWS = 8
-# One extension holds the w4a8 kernel and the attention and norm kernels (see transformer).
+# One extension holds the w4a8 kernel and the attention and norm kernels (see attention and transformer).
 SOURCES = [Path(__file__).with_name("kernels") / name for name in ("w4a8.cpp", "attention.cpp", "norm.cpp")]
 HEADERS = [Path(__file__).with_name("kernels") / "vec16.h"]
 # The instruction sets the kernels are built for, the first this CPU has all of: (CPU flags, compiler flags).
