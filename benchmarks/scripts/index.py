@@ -3,7 +3,8 @@
     python benchmarks/scripts/index.py            # check, then write benchmarks/INDEX.md
     python benchmarks/scripts/index.py --check    # exit 1 on a run.json that breaks the schema or a stale INDEX.md
     python benchmarks/scripts/index.py --fill     # add what a run.json lacks (kind, question, workloads, figures)
-                                                  # from its folder, README title and results.json files
+                                                  # from its folder, README title and results.json files, and
+                                                  # rewrite each results.json compactly (compact(): same data)
 
 A run is a folder benchmarks/results/KIND/RUN/ (or benchmarks/archive/KIND/RUN/) with a run.json; a run.json
 further down is a part of that run with its own command. The schema (benchmarks/README.md says the same):
@@ -175,6 +176,36 @@ def completed(path: Path, run: dict) -> dict:
     return run
 
 
+def compact(value, width: int = 5000, indent: int = 0) -> str:
+    """JSON laid out as the tools write it (indent 1), except that a list or object whose one-line form is at most
+    `width` characters stays on one line: a results.json's per-request and per-prompt records then take a line each,
+    and the file about 3/4 of its bytes. json.loads reads back exactly the same value."""
+    flat = json.dumps(value, separators=(",", ":"))
+    if not isinstance(value, (dict, list)) or not value or len(flat) <= width:
+        return flat
+    pad = " " * (indent + 1)
+    if isinstance(value, dict):
+        items = [f"{pad}{json.dumps(key)}: {compact(item, width, indent + 1)}" for key, item in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if not any(isinstance(item, (dict, list)) for item in value):
+        return flat
+    return "[\n" + ",\n".join(f"{pad}{compact(item, width, indent + 1)}" for item in value) + "\n" + " " * indent + "]"
+
+
+def compact_results(path: Path) -> bool:
+    """Rewrite a results.json compactly where that changes its text but not its value."""
+    text = path.read_text()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    new = compact(value) + "\n"
+    if new == text or json.dumps(json.loads(new)) != json.dumps(value):
+        return False
+    path.write_text(new)
+    return True
+
+
 # the index -------------------------------------------------------------------------------------------------
 
 def rel(path: Path) -> str:
@@ -243,12 +274,16 @@ def index(loaded: dict[Path, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 on a bad run.json or stale index")
-    parser.add_argument("--fill", action="store_true", help="add what each run.json lacks, from its folder")
+    parser.add_argument("--fill", action="store_true",
+                        help="add what each run.json lacks, from its folder; rewrite each results.json compactly")
     args = parser.parse_args(argv)
     if args.fill:
         for path in runs():
             if fill(path):
                 print(f"filled {rel(path)}")
+        for path in sorted({p for run in runs() for p in top_run(run).rglob("results.json")}):
+            if compact_results(path):
+                print(f"compacted {rel(path)}")
     loaded, problems = {}, []
     for path in runs():
         try:
