@@ -1,9 +1,12 @@
-"""The adaptive controller: pure cost/acceptance arithmetic, then through the engine."""
+"""The adaptive controller (verispec.policy, its cost model and acceptance estimate): pure arithmetic, each named rule
+alone, then through the engine."""
 
 from __future__ import annotations
 
 import pytest
 
+from verispec.acceptance import SourceAverages
+from verispec.cost_model import estimated_forward_seconds, prompt_chunk
 from verispec.drafters import DraftModelDrafter
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
@@ -203,8 +206,6 @@ def test_bad_k_is_rejected():
 
 def carried(costs, base, share, draft, token_seconds, most, steps=8):
     """The chunks prompt_chunk carries over `steps` steps, its credit handed on."""
-    from verispec.policy import prompt_chunk
-
     chunks, credit = [], 0.0
     for _ in range(steps):
         size, credit = prompt_chunk(costs, base, share, draft, token_seconds, most, credit, 8)
@@ -213,8 +214,6 @@ def carried(costs, base, share, draft, token_seconds, most, steps=8):
 
 
 def test_a_packed_chunk_keeps_the_prompts_share_on_average_and_pays_a_kernels_jump_with_a_large_chunk():
-    from verispec.policy import estimated_forward_seconds
-
     # Cost growing by the same 4 ms a token: share of each step, each step (a 71 ms step, 0.75: 53 ms, 13 tokens; the
     # smallest chunk within 15% of that rate: 12).
     line = {4: 0.066, 8: 0.082, 16: 0.114, 64: 0.306}
@@ -248,8 +247,6 @@ def expected_batch_rate(ks, acceptance, draft_per_position, verify_cost, batch_s
 
 
 def test_rows_that_agree_more_draft_longer_and_never_worse_than_one_k_for_all():
-    from verispec.policy import AdaptiveController, ControllerSettings
-
     controller = AdaptiveController(ControllerSettings(k_max=6))
     verify = lambda tokens: 0.030 + 0.002 * max(tokens - 8, 0)  # flat to 8 tokens, then 2 ms a token
     controller.verify_cost = {n: verify(n) for n in (4, 8, 16, 32)}
@@ -271,8 +268,6 @@ def test_rows_that_agree_more_draft_longer_and_never_worse_than_one_k_for_all():
 
 
 def test_a_rows_acceptance_starts_at_its_sources_and_moves_to_its_own():
-    from verispec.policy import AdaptiveController, ControllerSettings
-
     controller = AdaptiveController(ControllerSettings(k_max=2, prior_acceptance=0.5))
     assert controller.row_acceptance("s", [0, 0], [0, 0]) == [0.5, 0.5]
     steps = controller.settings.row_prior_steps
@@ -472,3 +467,149 @@ def test_acceptance_remembers_steps_whatever_the_batch():
 
     assert after(4) == pytest.approx(after(1), abs=0.03)
     assert 0.5 < after(4) < 0.9  # it moved, and still remembers the good stretch
+
+
+# Each named rule alone: a case where it decides, and where deciding without it would differ.
+
+
+def test_before_anything_is_measured_the_first_step_drafts_first_k():
+    controller = AdaptiveController(ControllerSettings(first_k=3))
+    assert controller.choose_k() == 3  # no source seen yet
+    assert controller.choose_k(source="draft-model") == 3  # a source, but no forward measured
+
+
+def test_drafting_must_beat_plain_by_min_gain_to_start_and_by_half_of_it_to_go_on():
+    controller = AdaptiveController(ControllerSettings(k_max=1, min_gain=0.05))
+    assert not controller.beats_plain(1.04, 1.0)  # within noise: no start
+    controller.drafted_last = True
+    assert controller.beats_plain(1.04, 1.0) and not controller.beats_plain(1.02, 1.0)  # half the margin to go on
+    # Wired into choose_k: one free draft that passes 90% of the time for a pass 1.84x as dear is 3% faster than plain.
+    controller.verify_cost = {1: 0.1, 2: 0.184}
+    averages = controller._source("draft-model")
+    averages.draft_cost = {1: 0.0}
+    averages.assume([0.9], 10)
+    controller.drafted_last = False
+    assert controller.choose_k(source="draft-model") == 0
+    controller.drafted_last = True
+    assert controller.choose_k(source="draft-model") == 1
+
+
+def test_a_probe_that_passes_sets_the_first_position_back_to_its_prior():
+    def first_after(probing: bool, accepted: int) -> float:
+        controller = AdaptiveController(ControllerSettings(k_max=2, prior_acceptance=0.7))
+        controller._source("draft-model").assume([0.05, 0.05], 30)
+        controller.probing = probing
+        controller.observe("draft-model", 1, accepted, 0.01, 2, None)
+        return controller._source("draft-model").acceptance()[0]
+
+    assert first_after(probing=True, accepted=1) == pytest.approx(0.7)  # the prior again: drafting is tried anew
+    assert first_after(probing=False, accepted=1) < 0.1  # a pass that was not a probe is one step among 30
+    assert first_after(probing=True, accepted=0) < 0.1  # a probe that failed changes nothing but its count
+
+
+def test_the_recent_source_is_that_of_the_last_few_steps_not_of_the_whole_run():
+    controller = AdaptiveController()
+    for _ in range(40):
+        controller.observe("draft-model", 1, 1, 0.01, 2, None)
+    for _ in range(20):
+        controller.observe("suffix-index", 1, 1, 0.0, 2, None)
+    assert controller.recent_source() == "suffix-index"  # 40 steps against 20 over the run, but fewer of late
+
+
+def test_a_drafting_steps_overhead_is_never_priced_below_a_plain_ones():
+    controller = AdaptiveController(ControllerSettings(k_max=1))
+    controller.observe_step(None, 1, 0.060, 0.050)  # plain steps: 10 ms beyond their forward
+    controller.observe_step("suffix-index", 1, 0.052, 0.050)  # drafting steps: 2 ms, noise below plain's
+    assert controller.overhead("suffix-index", 1) == pytest.approx(0.010)
+    assert controller.overhead("never-measured", 1) == pytest.approx(0.010)
+    # A free lookup that agrees 3% of the time, where two tokens cost what one does: no gain, so no drafting (priced
+    # at its own 2 ms it would look 19% faster than plain).
+    controller.verify_cost = {1: 0.05, 2: 0.05}
+    averages = controller._source("suffix-index")
+    averages.draft_cost = {1: 0.0}
+    averages.assume([0.03], 10)
+    assert controller.choose_k(source="suffix-index") == 0
+
+
+def test_a_wider_forward_is_never_priced_below_a_plain_one_and_an_untimed_draft_is_free():
+    controller = AdaptiveController(ControllerSettings(k_max=2))
+    controller.verify_cost = {1: 0.1, 2: 0.08, 3: 0.12}  # a 2-token pass measured below a 1-token one: noise
+    averages = controller._source("suffix-index")
+    averages.draft_cost = {1: 0.001}
+    assert controller.step_seconds(1, averages) == pytest.approx(0.1 + 0.001)
+    assert controller.step_seconds(2, averages) == pytest.approx(0.12 + 0.002)
+    assert controller.step_seconds(1, controller._source("never-timed")) == pytest.approx(0.1)
+
+
+def test_where_every_draft_passed_the_position_beyond_is_credited_at_the_deepest_estimate():
+    averages = SourceAverages.start(4, 0.7, 2.0)
+    averages.assume([0.9, 0.2, 0.2, 0.2], 10)  # position 2 measured low once; drafts of 1 never reach it again
+    keep = 1 - 1 / 32
+    averages.record(1, 1, memory=32.0)
+    assert averages.reached[1] == pytest.approx(10 * keep + 1)  # a step's worth at position 1's estimate, 0.9
+    assert averages.hits[1] == pytest.approx(2 * keep + 0.9)
+    assert averages.beyond_all_passed(1, 0) is None  # a draft failed: nothing beyond is credited
+    assert averages.beyond_all_passed(4, 4) is None  # no position beyond the deepest
+
+
+def lookup_batch(rows: int = 16) -> AdaptiveController:
+    """A batch of `rows` whose plain step was measured and whose free lookup passes 90% of the time."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    controller.verify_cost = {16: 0.2, 32: 0.3, 48: 0.4, 64: 0.5, 80: 0.6}
+    controller.plain_batches.add(rows)
+    averages = controller._source("suffix-index")
+    averages.draft_cost = {rows: 0.0001}
+    averages.assume([0.9] * 4, 10)
+    return controller
+
+
+def test_drafting_still_pays_only_while_enough_rows_are_left_to_gain():
+    controller = lookup_batch()
+    assert controller.still_pays(2, "suffix-index", 16, 16)
+    assert controller.still_pays(2, "suffix-index", 16, 15)
+    assert not controller.still_pays(2, "suffix-index", 16, 2)  # 2 rows gain, the pass is as wide for 16
+    assert not controller.still_pays(0, "suffix-index", 16, 16)
+
+
+def test_rows_left_to_draft_are_kept_only_if_they_still_pay_counting_rows_other_sources_draft_for():
+    controller = lookup_batch()
+    wanted = [True] * 16
+    assert controller.rows_left_pay("suffix-index", wanted, wanted, [2] * 16) == wanted
+    assert controller.rows_left_pay("suffix-index", wanted, [True] * 2 + [False] * 14, [2] * 16) == [False] * 16
+    # Two rows want this source and one is left, but 14 rows draft from another: 15 rows gain, so it still pays.
+    wanted = [True, True] + [False] * 14
+    kept = [True] + [False] * 15
+    assert controller.rows_left_pay("suffix-index", wanted, kept, [2] * 16) == kept
+
+
+def catching_up() -> AdaptiveController:
+    """A batch of 4 where drafting 2 saves 52 ms a token (0.1 s a token plain, 0.048 s drafting)."""
+    controller = AdaptiveController(ControllerSettings(k_max=4))
+    controller.verify_cost = {4: 0.1, 8: 0.11, 12: 0.12, 16: 0.13, 20: 0.14}
+    controller.plain_batches.add(4)
+    averages = controller._source("draft-model")
+    averages.draft_cost = {4: 0.005}
+    averages.assume([0.9] * 4, 10)
+    return controller
+
+
+def test_a_catch_up_pays_where_the_saving_over_the_remaining_tokens_covers_it():
+    controller = catching_up()
+    assert controller.catch_up_pays(100, 100, 2, "draft-model", 4) is None  # no catch-up timed yet
+    controller.catch_up_per_token = 0.03  # 100 tokens behind: 3 s, against 5.2 s saved over 100 tokens
+    assert controller.catch_up_pays(100, 100, 2, "draft-model", 4)
+    assert not controller.catch_up_pays(100, 50, 2, "draft-model", 4)  # 2.6 s saved over 50
+    assert not controller.catch_up_pays(100, 100, 2, "draft-model", 4, spent=3.0)  # the saving already spent
+
+
+def test_rows_catching_up_in_one_step_share_one_saving_nearest_first():
+    controller = catching_up()
+    behind, remaining, ks = [100, 120, 2, 300], [100] * 4, [2] * 4
+    # Untimed: only the nearest row far behind catches up (and measures it); a row within the long tail just drafts.
+    assert controller.catch_up_rows("draft-model", [True] * 4, behind, remaining, ks, 8) == [True, False, True, False]
+    controller.catch_up_per_token = 0.03
+    assert controller.catch_up_pays(120, 100, 2, "draft-model", 4)  # alone, the second row would pay (3.6 s < 5.2 s)
+    # Together with the first (3 s already spent of the one saving), it does not.
+    assert controller.catch_up_rows("draft-model", [True] * 4, behind, remaining, ks, 8) == [True, False, True, False]
+    assert controller.catch_up_rows("draft-model", [False, True, True, True], behind, remaining, ks, 8) == [
+        False, True, True, False]

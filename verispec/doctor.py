@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from verispec.bench.machine import git_commit, machine_description, machine_kind
+from verispec.controller_settings import ControllerSettings
+from verispec.cost_model import interpolate
 from verispec.drafters import draft_candidates, quantize_draft
 from verispec.drafters.draft_head import HEAD_DRAFT, HeadForwarding, head_file, is_head_spec, load_head
 from verispec.drafters.pairing import draft_or_default
@@ -36,7 +38,6 @@ from verispec.models.loading import (
 )
 from verispec.models.target_format import PROBE_ROWS, PROBE_SHARE
 from verispec.models.machine import FORMAT_CHOICES_FILE, cache_root, consulted_kinds, cpu_flags, remembered_choices
-from verispec.policy import ControllerSettings, interpolate
 
 ISA_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx")  # "amx": any of amx_tile/int8/bf16
 ACCEPTANCE_RATES = (0.5, 0.7, 0.9)  # a draft that often misses, a typical pair on code, a near copy

@@ -799,7 +799,7 @@ def cmd_price(args) -> None:
 def forward_ms(path: str):
     """The target's forward cost (ms) by new tokens, from tree-potential's run.json, interpolated as the controller
     interpolates measured costs."""
-    from verispec.policy import interpolate
+    from verispec.cost_model import interpolate
 
     forward = {int(k): v for k, v in json.loads(Path(path).read_text())["forward_ms"]["target"].items()}
     return lambda tokens: interpolate(forward, tokens)

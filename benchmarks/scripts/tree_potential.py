@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from verispec.bench.machine import git_commit, machine_description, machine_line
 from verispec.bench.workloads import load_workload, render_prompt
+from verispec.cost_model import interpolate
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.forward_cost import forward_costs
 from verispec.models.loading import load_model
-from verispec.policy import interpolate
 
 SHAPES = [
     (1,), (1, 1), (1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1, 1), (1,) * 6,  # chains, k = 1 .. 6
