@@ -16,7 +16,7 @@ from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
-from verispec.serving import scheduler as step_module
+from verispec.core import step as step_module
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox jumps over", "class Point:"]

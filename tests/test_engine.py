@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
-from verispec.serving import scheduler as step_module  # the one step both paths run
+from verispec.core import step as step_module  # the one step both paths run
 from verispec.drafters import DraftModelDrafter
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model

@@ -13,7 +13,8 @@ from verispec.models.loading import load_model
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
 from verispec.drafters import batch_draft
-from verispec.serving import scheduler as scheduler_module
+from verispec.core import step as step_module
+from verispec.core.requests import Sequence
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 # The faulty one (2) repeats itself, so its suffix index proposes.
@@ -69,7 +70,7 @@ def inject(monkeypatch, stage: str, after_calls: int) -> None:
         return calls["n"] > after_calls
 
     if stage in ("verify", "draft"):
-        module = scheduler_module if stage == "verify" else batch_draft
+        module = step_module if stage == "verify" else batch_draft
         real = module.logits_to_probs
 
         def logits_to_probs(logits, params, *args, **kwargs):
@@ -83,7 +84,7 @@ def inject(monkeypatch, stage: str, after_calls: int) -> None:
         real = getattr(Scheduler, name)
 
         def wrapped(*args, **kwargs):
-            sequence = next(a for a in args if isinstance(a, scheduler_module._Sequence))
+            sequence = next(a for a in args if isinstance(a, Sequence))
             if is_marked(sequence.config.sampling) and fault_now():
                 raise RuntimeError("injected")
             return real(*args, **kwargs)

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import torch
 
-import verispec.serving.scheduler as scheduler_module
+import verispec.core.step as step_module
 from laws import accept_all_verifier, exact_law, frequencies_against
 from verispec.drafters import DraftModelDrafter
 from verispec.drafters.base import Proposal
@@ -104,13 +104,13 @@ def test_engine_with_cut_drafts_follows_the_masked_target_law(target, draft, law
 
 
 def test_negative_control_accept_every_draft_fails(target, draft, law, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "verify", accept_all_verifier)
+    monkeypatch.setattr(step_module, "verify", accept_all_verifier)
     assert frequencies_against(law, scheduler_outputs(target, draft, NUM_RUNS // 2)) is not None
 
 
 def test_negative_control_unmasked_target_fails(target, draft, law, monkeypatch):
-    real = scheduler_module.logits_to_probs
-    monkeypatch.setattr(scheduler_module, "logits_to_probs", lambda logits, params, allowed=None: real(logits, params))
+    real = step_module.logits_to_probs
+    monkeypatch.setattr(step_module, "logits_to_probs", lambda logits, params, allowed=None: real(logits, params))
     assert frequencies_against(law, scheduler_outputs(target, draft, NUM_RUNS // 4)) is not None
 
 

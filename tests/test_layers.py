@@ -1,8 +1,10 @@
-"""The house: no import circle among verispec's modules, function-level imports included."""
+"""The house: no import circle among verispec's modules (function-level imports included), small modules, a library
+that does not import its server, and a step that fits a screen."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "verispec"
@@ -66,3 +68,31 @@ def test_no_import_circle():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+MOST_LINES = 600  # a module a newcomer can read through
+STEP_MOST_LINES = 60  # the step, plan to commit, in one screen
+FRONT_DOORS = ("verispec.serving", "verispec.cli")  # the server and the command line may import the server
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in PACKAGE.rglob("*.py") if (lines := len(path.read_text().splitlines())) > MOST_LINES
+    }
+    assert not long, f"modules over {MOST_LINES} lines: {long}"
+
+
+def test_the_library_does_not_import_the_server():
+    graph = import_graph()
+    library = [name for name in graph if not name.startswith(FRONT_DOORS)]
+    assert "verispec.engine" in library and "verispec.core.scheduler" in library
+    importers = {name: sorted(t for t in graph[name] if t.startswith("verispec.serving")) for name in library}
+    assert not {name: targets for name, targets in importers.items() if targets}
+
+
+def test_the_step_fits_a_screen():
+    from verispec.core.step import Stepping
+
+    lines, _ = inspect.getsourcelines(Stepping._step)
+    assert 10 < len(lines) <= STEP_MOST_LINES, f"Stepping._step is {len(lines)} lines"

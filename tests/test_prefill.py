@@ -8,8 +8,8 @@ import torch
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.models.transformer import PREFILL_CHUNK
-from verispec.serving.prefix_cache import PrefixCache
-from verispec.serving import scheduler as scheduler_module
+from verispec.core.prefix_cache import PrefixCache
+from verispec.core import admission as admission_module
 from verispec.serving.scheduler import Scheduler, SchedulerLimits, prefill_budget
 
 # Dense float32, dense bfloat16 (whose matmuls are not batch-invariant: only the chunk boundaries make
@@ -194,7 +194,7 @@ def test_a_long_prompt_goes_in_by_chunks_of_its_own_while_others_decode_and_keep
     loaded = load_model(str(tiny_dir), "float32", quantize="none")
     assert not loaded.model.batch_invariant
     prompts, lengths, expected = long_prompt_among_short_ones(loaded)
-    monkeypatch.setattr(scheduler_module, "prefill_budget", lambda *args: 7)  # a fixed share, whatever the timing
+    monkeypatch.setattr(admission_module, "prefill_budget", lambda *args: 7)  # a fixed share, whatever the timing
     real_prefill = loaded.model.prefill
     for chunked in (True, False):
         calls = []  # (tokens offered, max_tokens, tokens fed)
@@ -231,7 +231,7 @@ def test_a_batch_invariant_target_carries_the_chunks_in_the_decoding_steps_and_k
     prompts, lengths, expected = long_prompt_among_short_ones(loaded)
     sizes = []  # verify tokens the scheduler asked a chunk size for
     monkeypatch.setattr(
-        scheduler_module, "prompt_chunk",
+        admission_module, "prompt_chunk",
         lambda costs, base, share, draft, per_token, most, credit, stall: sizes.append(base) or (7, credit),
     )
     prefills, packed = [], []  # prompt tokens fed by prefill; row widths of each packed forward

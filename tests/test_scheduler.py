@@ -14,7 +14,7 @@ from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
 from verispec.drafters.batch_draft import BatchedDraftModel
-from verispec.serving import scheduler as step_module
+from verispec.core import drafting as drafting_module
 from verispec.serving.scheduler import QueueFullError, Scheduler, SchedulerLimits
 
 PROMPTS = [
@@ -424,9 +424,9 @@ def test_batched_sampling_follows_the_target_distribution(target, draft, repeati
 def test_negative_control_accept_all_in_the_batch_fails(target, draft, repeating_prompt, monkeypatch):
     from laws import accept_all, exact_two_token_law, law_matches
 
-    import verispec.serving.scheduler as scheduler_module
+    import verispec.core.step as step_module
 
-    monkeypatch.setattr(scheduler_module, "verify", accept_all)
+    monkeypatch.setattr(step_module, "verify", accept_all)
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)
@@ -696,7 +696,7 @@ def test_lookups_are_planned_for_as_many_rows_as_last_found_a_recurring_context(
     assert step(pays_for_all_rows) == 3  # never asked before: planned for every row
     assert scheduler._lookup_share <= 1 / 3  # no row, or PROMPTS[4]'s, found a recurring context
     assert step(pays_for_all_rows) == 0  # so the plan is for one row, which does not pay
-    scheduler._steps_since_lookups = step_module.LOOKUP_SHARE_STEPS
+    scheduler._steps_since_lookups = drafting_module.LOOKUP_SHARE_STEPS
     assert step(pays_for_all_rows) == 3
 
 
@@ -704,7 +704,8 @@ def test_step_costs_remembered_from_a_loaded_moment_are_forgotten_and_do_not_sto
     """Remembered step costs timed while the machine was busy (every forward 20x its cost, the draft 50x) had a server
     never draft. The first step finds the seeds stale: the controller drops the draft's seed and the record is
     forgotten, so the next start times them again."""
-    import verispec.serving.scheduler as scheduler_module
+    import verispec.core.scheduler as scheduler_module
+    import verispec.core.step as step_module
 
     def loaded_moment(target, draft=None):
         return {"verify": {1: 1.1, 2: 1.1, 4: 1.5, 8: 1.5}, "draft": 0.95, "catch_up_per_token": 0.07,
@@ -712,7 +713,7 @@ def test_step_costs_remembered_from_a_loaded_moment_are_forgotten_and_do_not_sto
 
     forgotten = []
     monkeypatch.setattr(scheduler_module, "step_costs", loaded_moment)
-    monkeypatch.setattr(scheduler_module, "forget_choice", forgotten.append)
+    monkeypatch.setattr(step_module, "forget_choice", forgotten.append)
     scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(1, 8, 256))
     assert scheduler.controller.planned_k(1, "draft-model") == 0  # as seeded, a draft could never pay
     events = run_all(scheduler, PROMPTS[:1], [GenerationConfig(max_new_tokens=24)])

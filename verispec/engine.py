@@ -23,7 +23,8 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.loading import LoadedModel
 from verispec.policy import AdaptiveController, ControllerSettings
 from verispec.sampling import TokenLogprob
-from verispec.serving.scheduler import RequestHandle, Scheduler, SchedulerLimits
+from verispec.core.requests import RequestHandle, SchedulerLimits
+from verispec.core.scheduler import Scheduler
 from verispec.stats import GenerationStats
 
 __all__ = ["GenerationConfig", "GenerationResult", "SpeculativeEngine", "TextStream"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from verispec.drafters.base import LONG_TAIL
 from verispec.models.forward_cost import STEP_ROWS
 from verispec.policy import AdaptiveController, ControllerSettings
-from verispec.serving.scheduler import PROBE_WINDOW
+from verispec.core.drafting import PROBE_WINDOW
 
 K_MAX = ControllerSettings().k_max  # the deepest draft a trace records (a run of K_MAX: at least that many)
 LOOKUP_SOURCES = ("suffix-index", "prompt-lookup")  # sources that propose only where the context recurs

@@ -8,6 +8,7 @@ the library's results and the benchmarks read these records; nothing needs to wr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -41,3 +42,15 @@ class StepRecord:
         """[i]: rows whose draft at position i was accepted."""
         deepest = max((row.drafted for row in self.rows), default=0)
         return [sum(row.accepted > i for row in self.rows) for i in range(deepest)]
+
+
+class StepMetrics(Protocol):
+    """What the scheduler reports as it runs (the server's Prometheus metrics implement it)."""
+
+    def step(self, record: StepRecord) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def token_latency(self, seconds_per_token: float, tokens: int) -> None: ...
+    def tokens_generated(self, count: int) -> None: ...
+    def request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def prefix_lookup(self, hit_tokens: int, missed_tokens: int, cache_bytes: int) -> None: ...
+    def set_queue(self, active: int, waiting: int) -> None: ...
