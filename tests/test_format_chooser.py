@@ -147,7 +147,9 @@ def test_a_slow_format_forced_by_the_environment_is_dropped_at_its_screen(monkey
     monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, "w4a8=0.3")
     record = measure(Subject(screen, build), ["none", "w4a8"], BUDGETS["draft"])
     assert "w4a8" in record["too_slow"] and record["screen"]["w4a8"] >= 0.3 and timed == ["none"]
-    assert calls.count("w4a8") == 2  # a warm-up call and one timed call (it is long: not repeated)
+    # A warm-up call and one timed call (it is long: not repeated); on a loaded machine the warm-up alone may pass
+    # HOPELESS_SCREEN and stand for the screen.
+    assert 1 <= calls.count("w4a8") <= 2
     monkeypatch.setenv(format_chooser.SLOW_FORMAT_ENV, f"w4a8={format_chooser.HOPELESS_SCREEN + 0.1}")
     calls.clear()
     record = measure(Subject(screen, build), ["w4a8"], BUDGETS["draft"])

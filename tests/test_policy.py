@@ -322,13 +322,14 @@ def test_a_drafter_that_never_agrees_costs_what_plain_decoding_does(tiny_dir, pa
         tokens, stats = [t for e in events for t in e.token_ids], events[-1].stats
     assert tokens == plain
     assert stats.accepted_tokens == 0 and stats.target_forwards == new_tokens  # one token a forward, as plain
-    # Learning that the drafts fail (acceptance falls from its prior by 15% a step; on this tiny model a verify pass
-    # costs about what a plain one does, so drafting pays until acceptance is near min_gain: ~20-25 steps), then
-    # k = 1 probes after probe_every plain steps, then twice as many, and so on (vain probes back off):
-    # 8 + 16 + 32 + 64 < 180.
+    # Learning that the drafts fail (on this tiny model a verify pass costs about what a plain one does, so drafting
+    # pays until acceptance is near min_gain: ~20-25 steps, more where timing noise prices the verify pass low), then
+    # k = 1 probes after probe_every plain steps, then twice as many, and so on (vain probes back off:
+    # 8 + 16 + 32 + 64 < 180; the backoff is tested alone in test_vain_probes_come_ever_further_apart...). The steps
+    # depend on measured costs, so the bound is what a busy machine cannot break: a quarter of the steps at most.
     probes = 4
     drafting_steps = new_tokens - stats.k_histogram.get(0, 0)
-    assert 0 < drafting_steps <= 30 + probes, stats.k_histogram  # (5 steps of slack for timing noise)
+    assert 0 < drafting_steps <= new_tokens // 4, stats.k_histogram
     assert stats.k_histogram.get(1, 0) >= probes // 2, stats.k_histogram
 
 
