@@ -8,9 +8,10 @@ and its draft back in. It reads no model of its own, so a draft position costs o
 head over a fraction of the vocabulary: a small fraction of the target's forward
 (benchmarks/results/xeon/draft-head). q is zero outside `vocab`, so verification stays exact whatever the weights.
 
-`DraftHead` is the trainable module (benchmarks/draft_head/study.py trains it); `HeadLayer` is the same
-computation for drafting, its matmuls in the target's weight format; a head is saved as safetensors
-(`save_head`) and loaded against its target (`load_head`).
+The layer's math is defined once, in `HeadMath`: `DraftHead` is it as a trainable module over torch Linears in
+float32 (benchmarks/draft_head/study.py trains it), `HeadLayer` is it for drafting, over the target's `Linear`s in
+its weight format, with a key-value cache of its own; a head is saved as safetensors (`save_head`) and loaded
+against its target (`load_head`).
 """
 
 from __future__ import annotations
@@ -61,22 +62,50 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def fc_input(embed: torch.Tensor, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """What the layer's fc reads: normalized features (..., C) beside the normalized embedding of each next token
-    (...,), (..., 2C) in float32."""
-    return torch.cat([features, rms(embed[next_ids].float())], -1)
+class HeadMath:
+    """The head's layer, its one definition: the fusion of the target's features with the next token's embedding
+    (fc), the attention's projections, norms and rotary, the residuals and the MLP, and the scores over the head's
+    vocabulary. Training (DraftHead) and drafting (HeadLayer) run these over their own weights; they differ only in
+    which keys and values a query attends to (the whole sequence causally, or a cache) and in the weights' format.
+
+    A subclass provides embed (V, C) and final_norm (C,) (the target's), attn_norm and mlp_norm (C,); fc, qkv, out,
+    gate_up, down and lm_head (the output head's rows over `vocab`), each callable as x -> x W^T (+ b); heads,
+    head_dim, rope_theta, inverse (the rotary's inverse frequencies, (D/2,)); and dtype, what its matmuls read.
+    Casts to dtype or float32 are no-ops (the same tensor) in a float32 module, so training's graph has none.
+    """
+
+    def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized features (float32) and (...,) next token ids -> the layer's input (..., C): fc over the
+        features beside the normalized embedding of each next token."""
+        return self.fc(torch.cat([features, rms(self.embed[next_ids].float())], -1).to(self.dtype))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, C) -> q, k (B, H, T, D) rotated at positions (T,) shared by the rows or (B, T) each row's, in
+        float32, and v (B, H, T, D) in x's dtype."""
+        b, t, _ = x.shape
+        qkv = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim)
+        q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))  # (B, H, T, D) each
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.inverse)  # (T, D) or (B, T, D)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+        return rotate(q.float(), cos, sin), rotate(k.float(), cos, sin), v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) and the attention's output (B, H, T, D) -> the normalized predicted feature (B, T, C) in float32:
+        the attention through `out` and the MLP, each added to the residual, then normalized."""
+        b, t, _ = x.shape
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1).to(self.dtype))  # (B, T, H D) -> (B, T, C)
+        gate, up = self.gate_up(rms(x) * self.mlp_norm).chunk(2, -1)
+        return rms((x + self.down(F.silu(gate) * up)).float())
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., C) normalized predicted features -> float32 scores (..., V') over `vocab`."""
+        return self.lm_head((predicted * self.final_norm.float()).to(self.dtype)).float()
 
 
-def residual_mlp(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The layer after its attention: x (B, T, C) plus the attention output (B, T, H D) through `out`, then plus the
-    MLP's (layer's out, gate_up, down, mlp_norm: a DraftHead's or a HeadLayer's); before the final norm."""
-    x = x + layer.out(attended)
-    gate, up = layer.gate_up(rms(x) * layer.mlp_norm).chunk(2, -1)
-    return x + layer.down(F.silu(gate) * up)
-
-
-class DraftHead(torch.nn.Module):
-    """fc([rms(f_t), rms(emb(x_{t+1}))]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}).
+class DraftHead(HeadMath, torch.nn.Module):
+    """fc([rms(f_t), rms(emb(x_{t+1}))]) -> one decoder layer (causal over the sequence) -> predicted rms(f_{t+1}):
+    the head's layer (HeadMath) as a trainable module.
 
     The target's embedding, final norm and output head (restricted to `vocab` ids) are frozen buffers."""
 
@@ -89,6 +118,7 @@ class DraftHead(torch.nn.Module):
         self.register_buffer("head", head[vocab], persistent=False)  # (V', C)
         self.register_buffer("vocab", vocab)  # (V',) target ids of the head's rows
         self.heads, self.head_dim = heads, width // heads
+        self.register_buffer("inverse", inverse_frequencies(self.head_dim, rope_theta), persistent=False)  # (D/2,)
         self.fc = torch.nn.Linear(2 * width, width, bias=False)
         self.attn_norm = torch.nn.Parameter(torch.ones(width))
         self.qkv = torch.nn.Linear(width, 3 * width, bias=True)
@@ -106,27 +136,12 @@ class DraftHead(torch.nn.Module):
             self.out.weight.mul_(0.1)
             self.down.weight.mul_(0.1)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary(positions, self.head_dim, self.rope_theta)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
 
-    def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """(..., C) normalized features and (...,) next token ids -> the layer's input (..., C)."""
-        return self.fc(fc_input(self.embed, features, next_ids))
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, T, C) -> q, k, v (B, H, T, D), rotated at positions (T,) shared by the rows, or (B, T) each row's."""
-        b, t, _ = x.shape
-        q, k, v = self.qkv(rms(x) * self.attn_norm).view(b, t, 3, self.heads, self.head_dim).unbind(2)
-        cos, sin = self.rotary(positions)  # (T, D) or (B, T, D)
-        if positions.dim() == 2:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
-
-    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual, MLP and the normalized predicted feature (B, T, C)."""
-        b, t, _ = x.shape
-        return rms(residual_mlp(self, x, attended.transpose(1, 2).reshape(b, t, -1)))
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.head.T  # (..., V')
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: features (B, T, C) normalized f_0..f_{T-1}, next_ids (B, T) x_1..x_T -> predicted
@@ -134,10 +149,6 @@ class DraftHead(torch.nn.Module):
         x = self.layer_input(features, next_ids)
         q, k, v = self.project(x, torch.arange(x.shape[1]))
         return self.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """(..., C) normalized features -> (..., V') scores over the head's tokens."""
-        return (predicted * self.final_norm) @ self.head.T
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
         """What a head file holds: the trained weights (float32) and the head's vocabulary."""
@@ -260,9 +271,10 @@ def is_head_spec(draft: str | None) -> bool:
     return draft is not None and (draft == HEAD_DRAFT or draft.endswith(".safetensors") and Path(draft).is_file())
 
 
-class HeadLayer:
-    """A DraftHead for drafting: its matmuls as the target's `Linear`s, in the target's weight format; the target's
-    embedding and final norm shared, its output-head rows over `vocab` in that format too."""
+class HeadLayer(HeadMath):
+    """The head's layer (HeadMath) for drafting: its matmuls as the target's `Linear`s, in the target's weight format;
+    the target's embedding and final norm shared, its output-head rows over `vocab` in that format too; its keys and
+    values in a cache of its own (`step`)."""
 
     def __init__(
         self, tensors: dict[str, torch.Tensor], heads: int, rope_theta: float, target: Transformer,
@@ -312,11 +324,8 @@ class HeadLayer:
         """
         batch, num_new = next_ids.shape
         f = features.float() if normalized else rms(features.float())
-        x = self.fc(fc_input(self.embed, f, next_ids).to(self.dtype))  # (B, T, C)
-        qkv = self.qkv(rms(x) * self.attn_norm).view(batch, num_new, 3, self.heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) each
-        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.inverse)  # (B, T, D)
-        q, k = rotate(q.float(), cos[:, None], sin[:, None]), rotate(k.float(), cos[:, None], sin[:, None])
+        x = self.layer_input(f, next_ids)  # (B, T, C)
+        q, k, v = self.project(x, positions)  # (B, H, T, D) each
         slots = lengths[:, None] + torch.arange(num_new)  # (B, T)
         rows = torch.arange(batch)[:, None].expand(-1, num_new)
         keys[rows, :, slots] = k.transpose(1, 2).to(keys.dtype)  # (B, T, H, D) into each token's slot
@@ -326,12 +335,7 @@ class HeadLayer:
         attended = F.scaled_dot_product_attention(  # in the cache's dtype: no float32 copy of every key a step
             q.to(keys.dtype), keys[:, :, :span], values[:, :, :span], attn_mask=visible[:, None]
         )  # (B, H, T, D)
-        attended = attended.transpose(1, 2).reshape(batch, num_new, -1).to(self.dtype)  # (B, T, H D)
-        return rms(residual_mlp(self, x, attended).float())  # (B, T, C)
-
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """(..., C) normalized predicted features -> float32 scores (..., V') over `vocab`."""
-        return self.lm_head((predicted * self.final_norm.float()).to(self.dtype)).float()
+        return self.finish(x, attended)  # (B, T, C)
 
 
 def output_rows(target: "LoadedModel", token_ids: torch.Tensor) -> torch.Tensor:
