@@ -15,7 +15,7 @@ import torch
 from verispec.core.requests import Sequence
 from verispec.drafters.base import as_drafter
 from verispec.models.transformer import PREFILL_CHUNK
-from verispec.policy import estimated_forward_seconds, moving_average, prompt_chunk
+from verispec.cost_model import estimated_forward_seconds, moving_average, prompt_chunk
 
 # While others decode, a step's prefill lasts at least this many of their decoding steps: a long prompt
 # among streams makes their tokens at most 1.75x slower and goes in at 1 / 1.75 of its speed alone.

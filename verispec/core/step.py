@@ -18,7 +18,7 @@ from verispec.core.step_record import RowStep, StepRecord
 from verispec.drafters.base import Proposal
 from verispec.drafters.batch_draft import PAD_TOKEN
 from verispec.models.machine import forget_choice
-from verispec.policy import moving_average
+from verispec.cost_model import moving_average
 from verispec.sampling import TokenHistory, logits_to_probs, token_logprobs
 from verispec.verify import verify, verify_greedy
 
