@@ -34,13 +34,7 @@ from verispec.acceptance import SourceAverages
 from verispec.controller_settings import ControllerSettings
 from verispec.cost_model import CostModel, interpolated_range
 
-# Re-exported: the scheduler's admission and step (verispec.core) import these from here.
-from verispec.cost_model import estimated_forward_seconds, interpolate, moving_average, prompt_chunk  # noqa: F401
-
-__all__ = [
-    "AdaptiveController", "ControllerSettings", "estimated_forward_seconds", "interpolate", "moving_average",
-    "prompt_chunk",
-]
+__all__ = ["AdaptiveController", "ControllerSettings"]
 
 
 @dataclass

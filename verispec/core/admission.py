@@ -3,7 +3,7 @@
 Prompts go in one at a time, first come first served, in row len(active). A batch-invariant target takes a
 prompt's chunks inside the decoding step's own forward (`_packed_chunk`); any other takes them by prefills of
 their own, on chunk boundaries (`_prefill_some`). Either way the prompts get their share of the streams' time
-(`prefill_budget`, `policy.prompt_chunk`), and a short prompt goes in at once.
+(`prefill_budget`, `cost_model.prompt_chunk`), and a short prompt goes in at once.
 """
 
 from __future__ import annotations
