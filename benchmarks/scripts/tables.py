@@ -20,6 +20,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from index import workload_name  # benchmarks/scripts/index.py: a workload's short name
+
 BENCHMARKS = Path(__file__).resolve().parents[1]
 RESULTS = BENCHMARKS / "results"
 ARCHIVE = BENCHMARKS / "archive"
@@ -31,11 +33,6 @@ KIND = re.compile(r"xeon|zen\d")  # results/ also holds acceptance-traces/, whic
 
 def fmt(value, pattern: str = "{:.2f}", scale: float = 1.0) -> str:
     return "-" if value is None else pattern.format(value * scale)
-
-
-def short_workload(workload) -> str:
-    text = str(workload or "?")
-    return Path(text).stem if "/" in text else text
 
 
 def link(target: Path, base: Path, text: str) -> str:
@@ -68,7 +65,7 @@ def commit_of(run: dict, part: str, results: dict) -> str:
 def library_rows(results: dict, where: str, commit: str) -> list[str]:
     """`verispec bench`: one row per mode, speedup against the mode's baseline (plain unless said)."""
     prompts = results.get("prompts")  # the raw per-prompt runs; older files may hold the count
-    workload = f"{short_workload(results.get('workload'))} ({len(prompts) if isinstance(prompts, list) else prompts})"
+    workload = f"{workload_name(results.get('workload'))} ({len(prompts) if isinstance(prompts, list) else prompts})"
     baselines = results.get("baselines") or {}
     rows = []
     for s in results["summary"]:
@@ -93,7 +90,7 @@ def library_rows(results: dict, where: str, commit: str) -> list[str]:
 def served_rows(results: dict, where: str, commit: str) -> list[str]:
     """`verispec bench-serve`: one row per server and client count (a level run twice gives two turns)."""
     summaries = results["summaries"]
-    workload = short_workload(results.get("meta", {}).get("workload"))
+    workload = workload_name(results.get("meta", {}).get("workload"))
     turn: Counter = Counter()
     by_turn = {}
     keyed = []

@@ -32,16 +32,19 @@ class StepRecord:
     seconds: float  # the whole step, from choosing k to streaming its tokens
 
     @property
+    def deepest(self) -> int:
+        """The most draft tokens any row verified."""
+        return max((row.drafted for row in self.rows), default=0)
+
+    @property
     def drafted_by_position(self) -> list[int]:
         """[i]: rows that drafted position i."""
-        deepest = max((row.drafted for row in self.rows), default=0)
-        return [sum(row.drafted > i and row.accepted >= 0 for row in self.rows) for i in range(deepest)]
+        return [sum(row.drafted > i and row.accepted >= 0 for row in self.rows) for i in range(self.deepest)]
 
     @property
     def accepted_by_position(self) -> list[int]:
         """[i]: rows whose draft at position i was accepted."""
-        deepest = max((row.drafted for row in self.rows), default=0)
-        return [sum(row.accepted > i for row in self.rows) for i in range(deepest)]
+        return [sum(row.accepted > i for row in self.rows) for i in range(self.deepest)]
 
 
 class StepMetrics(Protocol):
