@@ -54,8 +54,15 @@ def closed_loop(target, head, prompts: list[list[int]], clients: int, defaults: 
     chunks = [step.chunk_tokens for step in steps if step.chunk_tokens]
     rows = statistics.mean(len(step.rows) for step in steps) if steps else 0.0
     drafting = sum(any(row.drafted for row in step.rows) for step in steps)
+    # Steps that drafted nowhere and carried no prompt, at the full batch: what they cost beyond their forward.
+    plain_steps = [step for step in steps if not step.chunk_tokens and len(step.rows) == clients
+                   and not any(row.drafted for row in step.rows)]
+    beyond = (f"; {len(plain_steps)} full non-drafting steps: forward p50 "
+              f"{statistics.median(s.forward_seconds for s in plain_steps) * 1e3:.1f} ms, beyond it p50 "
+              f"{statistics.median(s.seconds - s.forward_seconds for s in plain_steps) * 1e3:.2f} ms"
+              if plain_steps else "")
     what = (f"{len(steps)} steps ({drafting} drafting), {rows:.1f} rows on average, {len(chunks)} prompt chunks "
-            f"(median {statistics.median(chunks) if chunks else 0} tokens)")
+            f"(median {statistics.median(chunks) if chunks else 0} tokens){beyond}")
     return sum(map(len, outputs)) / seconds, outputs, what
 
 
