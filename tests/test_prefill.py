@@ -10,7 +10,8 @@ from verispec.models.loading import load_model
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.core.prefix_cache import PrefixCache
 from verispec.core import admission as admission_module
-from verispec.serving.scheduler import Scheduler, SchedulerLimits, prefill_budget
+from verispec.core.admission import prefill_budget
+from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 # Dense float32, dense bfloat16 (whose matmuls are not batch-invariant: only the chunk boundaries make
 # the splits exact) and the batch-invariant w4a8.

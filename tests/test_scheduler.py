@@ -15,7 +15,8 @@ from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
 from verispec.drafters.batch_draft import BatchedDraftModel
 from verispec.core import drafting as drafting_module
-from verispec.serving.scheduler import QueueFullError, Scheduler, SchedulerLimits
+from verispec.core.requests import QueueFullError
+from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 PROMPTS = [
     "def add(a, b):\n",
@@ -195,7 +196,7 @@ def test_a_probe_far_behind_feeds_only_a_window_and_drafting_on_from_it_stays_ex
     """A probe's row far behind restarts its draft cache from the latest PROBE_WINDOW tokens (its cost bounded
     however long the text); drafting on from that window keeps the output plain decoding's, and the row's draft
     cache follows the committed tokens past the part it skipped."""
-    from verispec.serving.scheduler import PROBE_WINDOW
+    from verispec.core.drafting import PROBE_WINDOW
 
     prompt = target.encode(PROMPTS[1]) * 6
     assert len(prompt) > 3 * PROBE_WINDOW

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
 
-    from verispec.serving.scheduler import SERVED_DRAFTERS, SchedulerLimits
+    from verispec.core.requests import SchedulerLimits
+    from verispec.core.scheduler import SERVED_DRAFTERS
 
     defaults = SchedulerLimits()
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")

@@ -41,7 +41,8 @@ from verispec.serving.protocol import (
     validation_error,
 )
 from verispec.sampling import TokenLogprob
-from verispec.serving.scheduler import QueueFullError, RequestHandle, Scheduler, SequenceEvent
+from verispec.core.requests import QueueFullError, RequestHandle, SequenceEvent
+from verispec.core.scheduler import Scheduler
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -Infinity)
 

@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from verispec.core.admission import prefill_budget
-from verispec.core.drafting import PROBE_WINDOW
-from verispec.core.requests import QueueFullError, RequestHandle, SchedulerLimits, SequenceEvent
+from verispec.core.requests import SchedulerLimits
 from verispec.core.scheduler import MODEL_DRAFTERS, SERVED_DRAFTERS, Scheduler
 from verispec.drafters import CrossTokenizerDrafter, quantize_draft
 from verispec.drafters.base import Drafter
@@ -20,11 +18,6 @@ from verispec.models.loading import load_model
 
 if TYPE_CHECKING:
     from verispec.serving.metrics import ServerMetrics
-
-__all__ = [
-    "MODEL_DRAFTERS", "PROBE_WINDOW", "SERVED_DRAFTERS", "QueueFullError", "RequestHandle", "Scheduler",
-    "SchedulerLimits", "SequenceEvent", "build_scheduler", "prefill_budget", "start_in_model_thread",
-]
 
 
 def start_in_model_thread(build: Callable[[], Scheduler], threads: int | None = None) -> Scheduler:
