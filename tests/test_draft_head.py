@@ -236,7 +236,7 @@ def test_a_plain_step_hands_the_head_its_states_without_a_tensor_op(target, tmp_
     head = load_head(head_file(target, tmp_path, seed=9), target)
     draft = BatchedDraftHead(head, target.model.vocab_size, max_batch_size=2, capacity=64)
     states = torch.randn(12, head.width, dtype=head.dtype)  # (T, C) the target's hidden states of 12 positions
-    draft.add(1)
+    draft.add(1, list(range(9)), 64)
     draft.observe(1, 0, states[:8])  # a prompt's
     steps = [(position, states[position : position + 1]) for position in range(8, 12)]  # then one a plain step
     with CountedOps() as counted:

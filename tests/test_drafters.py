@@ -14,6 +14,7 @@ from verispec.drafters import (
     make_drafter,
 )
 from verispec.drafters.prompt_lookup import find_continuation
+from verispec.drafters.sequence_drafters import SequenceDrafters
 from verispec.drafters.suffix_index import SuffixTrie, best_continuation
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.loading import load_model
@@ -112,6 +113,33 @@ def test_can_propose_says_what_propose_will_find():
         for context in (tokens[:5], tokens, tokens + [12], tokens + [9, 10, 11, 12]):
             assert drafter.can_propose(context) == (drafter.propose(context, 3, GREEDY, None).num_tokens > 0)
     assert SuffixIndexDrafter(depth=8, min_match=3).can_propose([1, 2, 3, 1, 2]) is False  # 2 < min_match
+
+
+def test_sequence_drafters_propose_each_row_for_its_own_k_and_move_with_their_rows():
+    """Per-request drafters behind the batched protocol: each row proposes what its own drafter alone would, for its
+    own k; a row's drafter (and what it learnt of its text) moves with the row; one drafter's failure is its row's."""
+
+    class Failing(PromptLookupDrafter):
+        def propose(self, tokens, k, params, generator):
+            raise RuntimeError("broken drafter")
+
+    made = iter([PromptLookupDrafter(min_ngram=2), PromptLookupDrafter(min_ngram=2), Failing(min_ngram=2)])
+    rows = SequenceDrafters(lambda: next(made))
+    first, second = [1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8]
+    rows.add(0, first, 32)
+    rows.add(1, second, 32)
+    rows.add(2, [5, 6], 32)
+    params, generators = [GREEDY] * 3, [None] * 3
+    proposals = rows.propose([first, second, [5, 6]], [1, 3, 2], params, generators)
+    alone = PromptLookupDrafter(min_ngram=2)
+    assert proposals[0].token_ids.tolist() == alone.propose(first, 1, GREEDY, None).token_ids.tolist() == [[3]]
+    assert proposals[1].token_ids.tolist() == alone.propose(second, 3, GREEDY, None).token_ids.tolist() == [[9, 7, 8]]
+    assert proposals[2].num_tokens == 0 and str(rows.faults[2]) == "broken drafter" and set(rows.faults) == {2}
+    assert set(rows.seconds) == {"prompt-lookup", ""}  # "": the failed row's time, by no source (the caller names it)
+    assert rows.propose([first, second, [5, 6]], [0, 2, 0], params, generators)[0].num_tokens == 0  # k 0: none
+    rows.move(1, 0)  # row 0 left: row 1's sequence (and its drafter) now lives in row 0
+    assert rows.propose([second], [2], params[:1], generators[:1])[0].token_ids.tolist() == [[9, 7]]
+    assert rows.next_source(0, second) == "prompt-lookup" and rows.source == "prompt-lookup"
 
 
 def test_a_lazy_prefill_is_catching_up_not_drafting(target):

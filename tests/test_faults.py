@@ -13,6 +13,7 @@ from verispec.models.loading import load_model
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
 from verispec.drafters import batch_draft
+from verispec.drafters.sequence_drafters import SequenceDrafters
 from verispec.core import step as step_module
 from verispec.core.requests import Sequence
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
@@ -79,17 +80,25 @@ def inject(monkeypatch, stage: str, after_calls: int) -> None:
             return real(logits, params, *args, **kwargs)
 
         monkeypatch.setattr(module, "logits_to_probs", logits_to_probs)
-    elif stage in ("emit", "lookup"):
-        name = "_emit" if stage == "emit" else "_own_proposal"
-        real = getattr(Scheduler, name)
+    elif stage == "emit":
+        real = Scheduler._emit
 
-        def wrapped(*args, **kwargs):
+        def emit(*args, **kwargs):
             sequence = next(a for a in args if isinstance(a, Sequence))
             if is_marked(sequence.config.sampling) and fault_now():
                 raise RuntimeError("injected")
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(Scheduler, name, wrapped if stage == "emit" else staticmethod(wrapped))
+        monkeypatch.setattr(Scheduler, "_emit", emit)
+    elif stage == "lookup":
+        real = SequenceDrafters._propose_one
+
+        def propose_one(drafter, tokens, k, params, generator, grammar):
+            if is_marked(params) and fault_now():
+                raise RuntimeError("injected")
+            return real(drafter, tokens, k, params, generator, grammar)
+
+        monkeypatch.setattr(SequenceDrafters, "_propose_one", staticmethod(propose_one))
     elif stage == "prefill":
         real = Scheduler._prefill_some
 

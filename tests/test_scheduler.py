@@ -169,10 +169,10 @@ def test_the_catch_up_limit_is_shared_by_the_rows_behind(target, draft):
     """Rows far behind share one catch-up budget a step, the row nearest to caught up first."""
     batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=2, capacity=512)
     nearer, further = target.encode(PROMPTS[1]) * 4, target.encode(PROMPTS[1]) * 8
-    batched.add(0)
-    batched.add(1)
+    batched.add(0, further, 512)
+    batched.add(1, nearer, 512)
     greedy = [SamplingParams(), SamplingParams()]
-    batched.propose([further, nearer], 2, greedy, [None, None], catch_up_limit=20)
+    batched.propose([further, nearer], [2, 2], greedy, [None, None], catch_up_limit=20)
     assert batched.catch_up_tokens == 20
     assert batched.behind(1, nearer) == len(nearer) - 20 and batched.behind(0, further) == len(further)
 
@@ -310,13 +310,13 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
     singles = [DraftModelDrafter(draft.model, target.model.vocab_size) for _ in prompts]
     sequences = [list(p) for p in prompts]
     for row, (prompt, single) in enumerate(zip(prompts, singles)):
-        batched.add(row)
+        batched.add(row, prompt, 128)
         single.begin(prompt, 128)
     greedy = SamplingParams()
     plain_steps = target.encode("def greet(name):\n    print('hello ' + name)\n")  # longer than LONG_TAIL
     for step in range(6):
         drafting = [not (step == 1 and b == 0) for b in range(len(sequences))]  # row 0 sits step 1 out
-        proposals = batched.propose(sequences, 3, [greedy] * len(sequences), [None] * len(sequences), drafting)
+        proposals = batched.propose(sequences, [3 if d else 0 for d in drafting], [greedy] * len(sequences), [None] * len(sequences))
         for b, (sequence, single) in enumerate(zip(sequences, singles)):
             if not drafting[b]:
                 assert proposals[b].num_tokens == 0
@@ -476,12 +476,12 @@ def test_a_row_far_behind_catches_up_in_pieces_while_the_others_draft(target, dr
     batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=2, capacity=512)
     short, long = target.encode(PROMPTS[3]), target.encode(PROMPTS[1]) * 8  # LONG_TAIL < len(long)
     assert len(short) <= LONG_TAIL < len(long) - 40
-    batched.add(0)
-    batched.add(1)
+    batched.add(0, short, 512)
+    batched.add(1, long, 512)
     greedy = [SamplingParams(), SamplingParams()]
     steps = 0
     while True:
-        proposals = batched.propose([short, long], 2, greedy, [None, None], catch_up_limit=20)
+        proposals = batched.propose([short, long], [2, 2], greedy, [None, None], catch_up_limit=20)
         assert proposals[0].num_tokens == 2  # the current row drafts every step
         if proposals[1].num_tokens:
             break
@@ -490,8 +490,8 @@ def test_a_row_far_behind_catches_up_in_pieces_while_the_others_draft(target, dr
     assert steps == math.ceil((len(long) - LONG_TAIL) / 20) - 1 and steps >= 2  # 20 a step until LONG_TAIL are left
     assert proposals[1].num_tokens == 2 and batched.behind(1, long) == 0
     alone = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=1, capacity=512)
-    alone.add(0)
-    assert alone.propose([long], 2, greedy[:1], [None])[0].num_tokens == 2  # no limit: at once
+    alone.add(0, long, 512)
+    assert alone.propose([long], [2], greedy[:1], [None])[0].num_tokens == 2  # no limit: at once
     assert alone.catch_up_tokens == len(long) - 1
 
 

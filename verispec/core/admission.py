@@ -13,7 +13,6 @@ import time
 import torch
 
 from verispec.core.requests import Sequence
-from verispec.drafters.base import as_drafter
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.cost_model import estimated_forward_seconds, moving_average, prompt_chunk
 
@@ -158,17 +157,20 @@ class Admission:
             if source is not None:
                 self.draft.share_prompt(source, row, len(prompt))
             else:
-                self.draft.add(row)  # filled when the sequence first drafts
+                self.draft.add(row, prompt, self._max_length(sequence))  # filled when the sequence first drafts
                 for position, features in sequence.prompt_features if self.feeds_head else ():
                     self.draft.observe(row, position, features)
         sequence.prompt_features = []
         sequence.prompt_source = None  # copied or not, it is needed no more
-        if self.new_drafter is not None:  # lookup state is per sequence
+        if self.own is not None:  # each sequence's own drafter (a lookup's state is its own)
             started = time.perf_counter()
-            sequence.drafter = as_drafter(self.new_drafter())
-            sequence.drafter.begin(prompt, len(prompt) + sequence.config.max_new_tokens + self.k_max + 1)
+            self.own.add(row, prompt, self._max_length(sequence))
             sequence.stats.prefill_seconds += time.perf_counter() - started
         self.active.append(sequence)
+
+    def _max_length(self, sequence: Sequence) -> int:
+        """The most tokens the sequence's rows hold: its prompt, its answer, and the last step's drafts."""
+        return len(sequence.prompt_ids) + sequence.config.max_new_tokens + self.k_max + 1
 
     @staticmethod
     def _prompt_hidden(sequence: Sequence) -> torch.Tensor | None:

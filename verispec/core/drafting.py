@@ -1,9 +1,10 @@
 """Drafting: which drafter proposes for each row, how many tokens, and their proposals.
 
 Each step asks the controller for k by batch size and drafter; with k_per_sequence, each row's own acceptance
-refines it. The batched proposer (a draft model, or a draft head over the target's hidden states) drafts for
-its rows in one forward per position; each sequence's own drafter (a lookup, the cross-tokenizer drafter, a
-library user's drafter) for its own row; a composite asks the row's lookup first.
+refines it. Two proposers of one protocol (`BatchedProposer`) draft: the batched draft (a draft model, or a draft
+head over the target's hidden states) for its rows in one forward per position, and the sequences' own drafters
+(`SequenceDrafters`: lookups, the cross-tokenizer drafter, a library user's drafter) each for its own row; a
+composite asks the row's lookup first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from verispec.core.admission import PREFILL_MIN_SHARE
 from verispec.core.requests import Sequence
-from verispec.drafters.base import LONG_TAIL, Proposal, cut_to_grammar
+from verispec.drafters.base import LONG_TAIL, BatchedProposer, Proposal
 from verispec.drafters.draft_format import replace_format
 from verispec.models.transformer import PREFILL_CHUNK
 
@@ -50,7 +51,7 @@ class Drafting:
     def _sources(self) -> list[str | None]:
         """Which drafter proposes for each active row this step (composite: lookup where the context recurs; a
         library's own drafter: what it says it will use, None where it cannot tell)."""
-        return [self._try(s, self._source_of, s, default=self.drafter) for s in self.active]
+        return [self._try(s, self._source_of, row, s, default=self.drafter) for row, s in enumerate(self.active)]
 
     def _lookups_may_draft(self, batch_size: int) -> bool:
         """Whether a composite's lookups could draft this step, by the controller's plan for them with as many rows
@@ -58,22 +59,22 @@ class Drafting:
         the batched drafter and no lookup is asked. Asking costs each row an index update over its newest tokens:
         a busy server where nothing recurs would pay it every step for nothing, and one planned as if every row
         drafted would index every row's backlog to serve the few that do."""
-        if self.k != "auto" or self.draft is None or self.new_drafter is None:
+        if self.k != "auto" or self.draft is None or self.own is None:
             return True
-        lookup = next((s.drafter.source or None for s in self.active if s.drafter is not None), None)
+        lookup = self.own.source or None
         if lookup is None:
             return True
         stale = self._lookup_share is None or self._steps_since_lookups >= LOOKUP_SHARE_STEPS
         rows = None if stale else max(1, round(self._lookup_share * batch_size))
         return self.controller.planned_k(batch_size, lookup, rows) > 0
 
-    def _source_of(self, sequence: Sequence) -> str | None:
-        own = sequence.drafter
+    def _source_of(self, row: int, sequence: Sequence) -> str | None:
+        own = self.own
         if own is None:
             return self.batched_source if self.draft is not None else self.drafter
         if self.draft is not None:  # composite: the sequence's lookup where it finds something, else the draft model
-            return own.source if own.can_propose(sequence.tokens) else self.batched_source
-        return own.next_source(sequence.tokens)
+            return own.rows[row].source if own.can_propose(row, sequence.tokens) else self.batched_source
+        return own.next_source(row, sequence.tokens)
 
     def _choose_k(self, batch_size: int, source: str | None, rows: int) -> tuple[int, bool]:
         """k for the `rows` rows `source` drafts for, and whether it is a probe (k = 1 to re-measure acceptance)."""
@@ -107,14 +108,62 @@ class Drafting:
     def _draft(
         self, k_per_row: list[int], sources: list[str], probing: bool
     ) -> tuple[list[Proposal], dict[str, float]]:
-        """Each row's proposal (trimmed to its k), and the seconds each source spent drafting (catch-up excluded)."""
+        """Each row's proposal (trimmed to its k), and the seconds each source spent drafting (catch-up excluded):
+        the batched draft for the rows planned for it, each sequence's own drafter for the others."""
         active = self.active
         proposals = [Proposal(torch.empty(1, 0, dtype=torch.long), None) for _ in active]
         seconds: dict[str, float] = {}
         model = self.batched_source
-        drafting = [k > 0 and source == model and self.draft is not None for k, source in zip(k_per_row, sources)]
-        if self.draft is not None and any(drafting) and probing:
-            # A probe asks only rows whose draft cache is current (else the first drafting row).
+        if self.draft is not None:
+            drafting = self._batch_rows(k_per_row, sources, probing)
+            if any(drafting):
+                ks = [k if wants else 0 for k, wants in zip(k_per_row, drafting)]
+                started = time.perf_counter()
+                batched = self._propose(self.draft, ks)
+                seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
+                if sum(drafting) == 1:
+                    self._check_draft_format(seconds[model] / max(ks))
+                self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
+                proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
+        if self.own is not None:  # the rows the batched draft does not draft for (all, where there is none)
+            ks = [
+                k if (source != model or self.draft is None) and s.fault is None else 0
+                for k, source, s in zip(k_per_row, sources, active)
+            ]
+            if any(ks):
+                own = self._propose(self.own, ks)
+                for name, spent in self.own.seconds.items():
+                    seconds[name or self.drafter] = seconds.get(name or self.drafter, 0.0) + spent
+                proposals = [p if k > 0 else proposal for p, k, proposal in zip(own, ks, proposals)]
+        trimmed = []  # a row near its max_tokens keeps only drafts it can still use
+        for proposal, k in zip(proposals, k_per_row):
+            if proposal.num_tokens > k:
+                probs = proposal.probs[:, :k] if proposal.probs is not None else None
+                proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
+            trimmed.append(proposal)
+        return trimmed, seconds
+
+    def _propose(self, proposer: BatchedProposer, ks: list[int]) -> list[Proposal]:
+        """The proposer's proposals for every active row (ks[b] tokens at most, 0: none); a row whose own sampling,
+        grammar or drafter failed is marked faulty (it ends alone after this step)."""
+        active = self.active
+        proposals = proposer.propose(
+            [s.tokens for s in active], ks, [s.config.sampling for s in active], [s.generator for s in active],
+            self._catch_up_limit(), [s.grammar for s in active], [len(s.prompt_ids) for s in active],
+        )
+        for row, error in proposer.faults.items():
+            active[row].fault = error
+        return proposals
+
+    def _batch_rows(self, k_per_row: list[int], sources: list[str], probing: bool) -> list[bool]:
+        """The rows the batched draft drafts for this step: those planned for it; a probe asks only those whose
+        draft cache is current (else the first), and otherwise only rows whose catch-up drafting wins back."""
+        active = self.active
+        model = self.batched_source
+        drafting = [k > 0 and source == model for k, source in zip(k_per_row, sources)]
+        if not any(drafting):
+            return drafting
+        if probing:
             current = [
                 wants and self.draft.behind(row, s.tokens) <= LONG_TAIL
                 for row, (wants, s) in enumerate(zip(drafting, active))
@@ -125,51 +174,12 @@ class Drafting:
                 # A probe is there to measure acceptance, which the latest tokens show as well as all of them; a
                 # whole catch-up would cost many plain steps on a slow CPU, and grows with the text.
                 self.draft.restart_window(first, active[first].tokens, PROBE_WINDOW)
-        if self.draft is not None and self.k == "auto" and not probing:
+        elif self.k == "auto":
             # A probe catches its row up whatever the estimates say: it is how wrong estimates get corrected (else a
             # cold first measurement could keep a server from ever drafting again).
             kept = self._worth_catching_up(drafting, k_per_row)
             drafting = self.controller.rows_left_pay(model, drafting, kept, k_per_row)
-        if self.draft is not None and any(drafting):
-            started = time.perf_counter()
-            k_step = max(k for k, wants in zip(k_per_row, drafting) if wants)
-            batched = self.draft.propose(
-                [s.tokens for s in active], k_step,
-                [s.config.sampling for s in active], [s.generator for s in active], drafting,
-                self._catch_up_limit(), [s.grammar for s in active], [len(s.prompt_ids) for s in active],
-            )
-            seconds[model] = time.perf_counter() - started - self.draft.catch_up_seconds
-            if sum(drafting) == 1:
-                self._check_draft_format(seconds[model] / k_step)
-            for row, error in self.draft.faults.items():  # a row's own sampling or grammar failed while drafting
-                active[row].fault = error
-            self.controller.observe_catch_up(self.draft.catch_up_seconds, self.draft.catch_up_tokens)
-            proposals = [p if wants else proposal for p, wants, proposal in zip(batched, drafting, proposals)]
-        for row, (sequence, k, source) in enumerate(zip(active, k_per_row, sources)):
-            own = source != model or self.draft is None  # else the batched draft model drafts for it, or nothing does
-            if k > 0 and own and sequence.drafter is not None and sequence.fault is None:
-                started = time.perf_counter()
-                proposals[row] = self._try(sequence, self._own_proposal, sequence, k, default=proposals[row])
-                spent = time.perf_counter() - started - proposals[row].catch_up_seconds  # a backlog fed is not drafting
-                name = proposals[row].source or self.drafter
-                seconds[name] = seconds.get(name, 0.0) + spent
-        trimmed = []  # a row near its max_tokens keeps only drafts it can still use
-        for proposal, k in zip(proposals, k_per_row):
-            if proposal.num_tokens > k:
-                probs = proposal.probs[:, :k] if proposal.probs is not None else None
-                proposal = Proposal(proposal.token_ids[:, :k], probs, proposal.forwards, proposal.source)
-            trimmed.append(proposal)
-        return trimmed, seconds
-
-    @staticmethod
-    def _own_proposal(sequence: Sequence, k: int) -> Proposal:
-        """A sequence's own drafter's proposal (a lookup, or a library's drafter), cut where its grammar forbids a
-        draft; a drafter that drafts under a grammar (drafts_under_grammar) is handed it."""
-        drafter, grammar = sequence.drafter, sequence.grammar
-        args = (sequence.tokens, k, sequence.config.sampling, sequence.generator)
-        if grammar is not None and drafter.drafts_under_grammar:
-            return cut_to_grammar(drafter.propose(*args, grammar), grammar)
-        return cut_to_grammar(drafter.propose(*args), grammar)
+        return drafting
 
     def _catch_up_limit(self) -> int | None:
         """Tokens the rows far behind in the draft cache may catch up by in all this step: with others decoding,

@@ -135,8 +135,9 @@ class Lifecycle:
             old = rows[id(sequence)]
             if old != row:
                 self.cache.move_row(old, row)
-                if self.draft is not None:
-                    self.draft.move(old, row)
+                for proposer in (self.draft, self.own):
+                    if proposer is not None:
+                        proposer.move(old, row)
         if self._prefilling is not None and len(survivors) != len(self.active):  # its row follows the active ones
             self.cache.move_row(len(self.active), len(survivors))
         self.active = survivors

@@ -12,7 +12,6 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from verispec.config import GenerationConfig
-from verispec.drafters.base import Drafter
 from verispec.grammar import Grammar
 from verispec.sampling import TokenLogprob
 from verispec.stats import GenerationStats
@@ -96,7 +95,6 @@ class Sequence:
     text: TextAssembler
     eos: frozenset[int]
     submitted: float
-    drafter: Drafter | None = None  # a model-free drafter of its own (the draft model is shared, batched)
     grammar: Grammar | None = None  # structured output: the tokens its JSON schema allows, at the committed state
     stats: GenerationStats = field(default_factory=GenerationStats)
     last_emit: float = 0.0

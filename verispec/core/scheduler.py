@@ -38,6 +38,7 @@ from verispec.drafters.base import BatchedProposer, Drafter
 from verispec.drafters.batch_draft import BatchedDraftModel
 from verispec.drafters.batch_head import BatchedDraftHead
 from verispec.drafters.draft_head import HeadLayer
+from verispec.drafters.sequence_drafters import SequenceDrafters
 from verispec.grammar import constraint_for
 from verispec.models.forward_cost import step_costs
 from verispec.models.loading import LoadedModel, load_model
@@ -117,9 +118,10 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
         self.controller = controller or AdaptiveController(ControllerSettings(k_max=self.k_max))
         self.synchronous = synchronous
         # Each sequence's own drafter (model-free lookups; composite: its suffix index beside the batched model).
-        self.new_drafter: Callable[[], Drafter] | None = sequence_drafter
+        new_drafter: Callable[[], Drafter] | None = sequence_drafter
         if sequence_drafter is None and drafter in ("prompt-lookup", "suffix-index", "composite"):
-            self.new_drafter = composite_lookup if drafter == "composite" else lambda: make_drafter(drafter, target)
+            new_drafter = composite_lookup if drafter == "composite" else lambda: make_drafter(drafter, target)
+        self.own = SequenceDrafters(new_drafter) if new_drafter is not None else None
         # Room for the verify pass's draft tokens after the longest sequence.
         capacity = limits.max_context + self.k_max + 2
         self.cache = target.model.new_cache(limits.max_batch_size, capacity)

@@ -1,5 +1,6 @@
 """The two drafting interfaces and what they declare: `Drafter` proposes for one request, `BatchedProposer` for
-every row of a batch in one call; each proposes up to k next tokens with the distribution each was drawn from."""
+every row of a batch in one call (the scheduler drafts only through it: per-request drafters go behind
+`sequence_drafters.SequenceDrafters`); each proposes up to k next tokens with the distribution each was drawn from."""
 
 from __future__ import annotations
 
@@ -108,13 +109,15 @@ class BatchedProposer(ABC):
     row b of the target's cache and moves with it (the scheduler keeps active rows at 0 .. n-1); each row rolls
     itself back to what it shares with the committed tokens, so rejected drafts need no separate call.
 
-    What it needs beyond the committed tokens is declared: `needs_hidden_states` (the target's forwards hand it
-    their last hidden states through `observe`, and it is timed by `timed_costs`, not as a model). Every batched
-    proposer drafts under each row's grammar.
+    What it needs and can do beyond proposing from the committed tokens is declared: `needs_hidden_states` (the
+    target's forwards hand it their last hidden states through `observe`, and it is timed by `timed_costs`, not as
+    a model), `tells_if_it_proposes` (`can_propose` answers cheaply whether a row would find a draft). Every
+    batched proposer drafts under each row's grammar, or cuts its drafts to it.
     """
 
     source: str = ""  # the name its proposals carry
     needs_hidden_states: bool = False
+    tells_if_it_proposes: bool = False
 
     def __init__(self) -> None:
         self.catch_up_seconds = 0.0  # of the last propose(): feeding long tails, not drafting
@@ -122,8 +125,9 @@ class BatchedProposer(ABC):
         self.faults: dict[int, Exception] = {}  # of the last propose(): rows whose own sampling or grammar failed
 
     @abstractmethod
-    def add(self, row: int) -> None:
-        """Start a new sequence in `row`."""
+    def add(self, row: int, prompt_ids: list[int], max_length: int) -> None:
+        """Start a new sequence in `row`: its prompt, and at most max_length tokens in all (a proposer may take the
+        prompt in lazily, with the row's first proposal)."""
 
     @abstractmethod
     def share_prompt(self, source: int, destination: int, prompt_length: int) -> None:
@@ -145,16 +149,23 @@ class BatchedProposer(ABC):
     def propose(
         self,
         tokens: list[list[int]],
-        k: int,
+        ks: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        drafting: list[bool] | None = None,
         catch_up_limit: int | None = None,
         grammars: list["Grammar | None"] | None = None,
         prompt_lengths: list[int] | None = None,
     ) -> list[Proposal]:
-        """Up to k draft tokens for each row b < n whose drafting[b] is True (tokens[b]: its committed tokens); the
-        others propose nothing. Sets catch_up_seconds, catch_up_tokens and faults for this call."""
+        """Up to ks[b] draft tokens for each row b < n (tokens[b]: its committed tokens; ks[b] = 0: it proposes
+        nothing). Sets catch_up_seconds, catch_up_tokens and faults for this call."""
+
+    def can_propose(self, row: int, tokens: list[int]) -> bool:
+        """Whether the row would find a draft after `tokens`; only a proposer that tells_if_it_proposes knows."""
+        raise NotImplementedError(f"{type(self).__name__} does not tell whether it proposes (tells_if_it_proposes)")
+
+    def next_source(self, row: int, tokens: list[int]) -> str | None:
+        """The source the row's next proposal will carry (None: it cannot tell before drafting)."""
+        return self.source or None
 
     def observe(self, row: int, position: int, features: torch.Tensor) -> None:
         """The target's last hidden states (T, C) of the row's positions position .. position + T - 1."""

@@ -103,17 +103,17 @@ class ChainDrafter(BatchedProposer):
     def propose(
         self,
         tokens: list[list[int]],
-        k: int,
+        ks: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        drafting: list[bool] | None = None,
         catch_up_limit: int | None = None,
         grammars: list[Grammar | None] | None = None,
         prompt_lengths: list[int] | None = None,
     ) -> list[Proposal]:
-        """k draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens).
+        """ks[b] draft tokens for each sequence in rows 0 .. n-1 (tokens[b]: row b's committed tokens), in
+        max(ks) forwards.
 
-        Rows with drafting[b] False propose nothing and are not brought up to date. A row further
+        Rows with ks[b] = 0 propose nothing and are not brought up to date. A row further
         behind than LONG_TAIL catches up alone first; the rows so behind share at most catch_up_limit
         tokens a call, nearest first (None: all at once); until caught up a row proposes nothing. A
         row with a grammar drafts from q masked by it at every position (its state walks the drafts
@@ -122,7 +122,7 @@ class ChainDrafter(BatchedProposer):
         """
         grammars = grammars if grammars is not None else [None] * len(tokens)
         n = len(tokens)
-        drafting = list(drafting) if drafting is not None else [True] * n
+        drafting = [k > 0 for k in ks]
         self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
         self.faults = {}
         if not any(drafting):
@@ -138,8 +138,9 @@ class ChainDrafter(BatchedProposer):
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         logits = self._feed(tails)  # (n, V')
+        k = max(k for k, wants in zip(ks, drafting) if wants)
         drafted = torch.zeros(n, k, dtype=torch.long)  # (n, k)
-        lengths = [k if wants else 0 for wants in drafting]  # a row whose document is complete stops early
+        lengths = [row_k if wants else 0 for row_k, wants in zip(ks, drafting)]  # a complete document stops early
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row: k of (V,) when sampling
         for i in range(k):
             for b in range(n):
@@ -186,7 +187,7 @@ class BatchedDraftModel(ChainDrafter):
         self.known_committed = [0] * max_batch_size  # committed length at the row's previous proposal
         self.skipped = [0] * max_batch_size  # committed tokens at the start the row never saw (restart_window)
 
-    def add(self, row: int) -> None:
+    def add(self, row: int, prompt_ids: list[int], max_length: int) -> None:
         """Start a new sequence in `row` (its prompt is fed with its first proposal)."""
         self.cache.lengths[row] = 0
         self.cached_tokens[row] = []

@@ -43,7 +43,7 @@ class BatchedDraftHead(ChainDrafter):
 
     # -- the rows ---------------------------------------------------------------------------------
 
-    def add(self, row: int) -> None:
+    def add(self, row: int, prompt_ids: list[int], max_length: int) -> None:
         """Start a new sequence in `row`; its prompt's hidden states come by `observe`."""
         self._clear(row, 0)
 

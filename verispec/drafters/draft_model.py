@@ -41,7 +41,7 @@ class DraftModelDrafter(Drafter):
         if not isinstance(self.model, Transformer):
             raise TypeError("a draft head drafts from the target's hidden states: run it through SpeculativeEngine")
         self.batch = BatchedDraftModel(self.model, self.target_vocab_size, 1, max_length + 1)
-        self.batch.add(0)
+        self.batch.add(0, prompt_ids, max_length)
         self.prompt_length = len(prompt_ids)
         if len(prompt_ids) > 1 and not self.lazy_prefill:
             self.batch.prefill(0, prompt_ids[:-1])
@@ -55,7 +55,7 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             return Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
         batch = self.batch
-        [proposal] = batch.propose([tokens], k, [params], [generator], None, None, [grammar], [self.prompt_length])
+        [proposal] = batch.propose([tokens], [k], [params], [generator], None, [grammar], [self.prompt_length])
         if batch.faults:
             raise batch.faults[0]
         return dataclasses.replace(proposal, catch_up_seconds=batch.catch_up_seconds)
