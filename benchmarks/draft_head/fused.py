@@ -335,6 +335,19 @@ def cmd_train(args) -> None:
     deadline = started + budget
     step = seen = real_seen = epoch = 0
     history, order = [], list(range(count))
+    saved_at = started
+
+    def save(final: bool) -> None:
+        """The head so far in work/<tag>.pt (final: the budget is spent; else a checkpoint, every --save-every
+        minutes, that a run stopped early leaves)."""
+        last = history[-50:]
+        top1 = [sum(h[j][1] for h in last) / max(1, sum(h[j][2] for h in last)) for j in range(len(last[0]))]
+        torch.save({"state": head.state_dict(), "vocab": vocab, "arm": args.arm, "depth": depth, "loss": loss_kind,
+                    "steps": step, "positions": seen, "real_positions": real_seen, "epochs": epoch,
+                    "passes": real_seen / tokens, "minutes": args.minutes, "train_positions": tokens, "lr": args.lr,
+                    "batch": args.batch, "threads": args.threads, "sets": names, "last_50_steps_top1_by_step": top1,
+                    "final": final, "elapsed_minutes": (time.perf_counter() - started) / 60},
+                   work / f"{args.tag or args.arm}.pt")
     while time.perf_counter() < deadline:
         random.Random(epoch).shuffle(order)
         for start in range(0, len(order), args.batch):
@@ -383,14 +396,12 @@ def cmd_train(args) -> None:
                 shown = " ".join(f"ce{j} {c:.2f} top1-{j} {t:.3f}" for j, (c, t) in enumerate(by_step))
                 log(f"{args.arm} epoch {epoch} step {step}: {shown} "
                     f"({real_seen / (time.perf_counter() - started):.0f} positions/s)")
+            if args.save_every and time.perf_counter() - saved_at > args.save_every * 60:
+                save(final=False)
+                saved_at = time.perf_counter()
+                log(f"checkpoint after {step} steps, {real_seen} positions")
         epoch += 1
-    last = history[-50:]
-    final = [sum(h[j][1] for h in last) / max(1, sum(h[j][2] for h in last)) for j in range(len(last[0]))]
-    saved = {"state": head.state_dict(), "vocab": vocab, "arm": args.arm, "depth": depth, "loss": loss_kind,
-             "steps": step, "positions": seen, "real_positions": real_seen, "epochs": epoch,
-             "passes": real_seen / tokens, "minutes": args.minutes, "train_positions": tokens, "lr": args.lr,
-             "batch": args.batch, "threads": args.threads, "sets": names, "last_50_steps_top1_by_step": final}
-    torch.save(saved, work / f"{args.tag or args.arm}.pt")
+    save(final=True)
     log(f"saved {args.tag or args.arm}.pt after {step} steps, {real_seen} positions ({real_seen / tokens:.2f} passes)")
 
 
@@ -535,6 +546,8 @@ def main() -> None:
     train.add_argument("--ce-weight", type=float, default=0.1, help="baseline: study.py's CE weight")
     train.add_argument("--sets", nargs="*", default=None, help="default: every train-* tapped")
     train.add_argument("--step-decay", type=float, default=0.8, help="TTT step j's loss weight: this ** j")
+    train.add_argument("--save-every", type=float, default=20, metavar="MINUTES",
+                       help="save the head so far this often (0: only at the end)")
     evaluate = commands.add_parser("evaluate")
     evaluate.add_argument("--arm", choices=sorted(ARMS), required=True)
     evaluate.add_argument("--out", required=True)
