@@ -12,7 +12,7 @@ from conftest import FAST_FORMAT
 from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
 from verispec.drafters import make_drafter
 from verispec.drafters.batch_head import BatchedDraftHead
-from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, rms, save_head
+from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, save_head
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
