@@ -12,7 +12,7 @@ from conftest import FAST_FORMAT
 from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
 from verispec.drafters import make_drafter
 from verispec.drafters.batch_head import BatchedDraftHead
-from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, rms, save_head
+from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, save_head
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
@@ -22,22 +22,30 @@ from verispec.serving.scheduler import Scheduler, SchedulerLimits
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox jumps over", "class Point:"]
 
 
-def trainable_head(target, seed: int, echo: bool = False, vocab: torch.Tensor | None = None) -> DraftHead:
+def trainable_head(target, seed: int, echo: bool = False, vocab: torch.Tensor | None = None,
+                   fused: bool = False) -> DraftHead:
     """A random head over the tiny target. echo: one that predicts the feature it is given (its layer adds
-    nothing), so its draft is the target's own choice at the position it reads: the token already committed."""
+    nothing), so its draft is the target's own choice at the position it reads: the token already committed.
+    fused: one that reads the hidden states after the first and the last layer (EAGLE-3's fused features)."""
     torch.manual_seed(seed)
     model = target.model
     vocab = torch.arange(model.vocab_size) if vocab is None else vocab
     rows = output_rows(target, torch.arange(model.vocab_size)).float()
+    layers = (1, model.config.num_layers) if fused else ()
     head = DraftHead(model.embed.float(), model.final_norm.float(), rows, vocab, model.config.num_heads, 96,
-                     model.config.rope_theta)
+                     model.config.rope_theta, layers)
+    width = model.embed.shape[1]
     with torch.no_grad():
         for linear in (head.qkv, head.out, head.gate_up, head.down):
             linear.weight.normal_(0, 0.3)
+        if fused and not echo:
+            head.fuse.weight.normal_(0, 0.3)
         if echo:
-            head.fc.weight[:, model.embed.shape[1]:].zero_()
+            head.fc.weight[:, width:].zero_()
             head.out.weight.zero_()
             head.down.weight.zero_()
+            if fused:  # the last layer's state passed on
+                head.fuse.weight[:, :-width].zero_()
     return head
 
 
@@ -52,19 +60,21 @@ def plain_tokens(target, prompts=PROMPTS, tokens: int = 24) -> list[list[int]]:
     return [engine.generate(p, GenerationConfig(max_new_tokens=tokens, k=0)).token_ids for p in prompts]
 
 
-def test_drafting_computes_what_the_trained_module_computes(target, tmp_path):
-    """HeadLayer.step over teacher-forced hidden states, in any split of the positions, gives DraftHead.forward's
-    predicted features; and its scores are the module's over the head's vocabulary."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_drafting_computes_what_the_trained_module_computes(target, tmp_path, fused):
+    """HeadLayer.step over teacher-forced hidden states (the last layer's, or several layers' side by side), in
+    any split of the positions, gives DraftHead.forward's predicted features; and its scores are the module's over
+    the head's vocabulary."""
     vocab = torch.arange(0, target.model.vocab_size, 3)
-    module = trainable_head(target, seed=1, vocab=vocab)
+    module = trainable_head(target, seed=1, vocab=vocab, fused=fused)
     path = tmp_path / "head.safetensors"
     save_head(module, path, target.name)
     layer = load_head(str(path), target)
-    assert torch.equal(layer.vocab, vocab)
-    features = torch.randn(1, 12, target.model.embed.shape[1])  # (1, T, C) raw hidden states
+    assert torch.equal(layer.vocab, vocab) and layer.feature_layers == module.feature_layers
+    features = torch.randn(1, 12, layer.feature_width)  # (1, T, C or F C) raw hidden states
     next_ids = torch.randint(0, target.model.vocab_size, (1, 12))
     with torch.no_grad():
-        expected = module(rms(features), next_ids)  # (1, T, C)
+        expected = module(module.target_features(features), next_ids)  # (1, T, C)
     keys, values = layer.new_cache(1, 16)
     lengths = torch.zeros(1, dtype=torch.long)
     parts = []
@@ -137,10 +147,10 @@ def test_the_step_hands_the_head_each_committed_positions_hidden_state(request, 
         assert echoed >= 0.9 * len(generated), f"{echoed} of {len(generated)} first drafts echo the newest token"
 
 
-@pytest.mark.parametrize("k", [3, "auto"])
-def test_greedy_output_is_plain_decodings_in_the_library_and_the_server(target, tmp_path, k):
+@pytest.mark.parametrize("k, fused", [(3, False), ("auto", False), (3, True)])
+def test_greedy_output_is_plain_decodings_in_the_library_and_the_server(target, tmp_path, k, fused):
     plain = plain_tokens(target)
-    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=3))
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=3, fused=fused))
     engine = SpeculativeEngine(target, drafter)
     results = [engine.generate(p, GenerationConfig(max_new_tokens=24, k=k)) for p in PROMPTS]
     assert [r.token_ids for r in results] == plain
@@ -164,11 +174,12 @@ def test_the_composite_drafter_runs_a_head_behind_its_lookup(target, tmp_path, r
     assert {"draft-head", "suffix-index"} <= sources
 
 
-def test_sampled_output_follows_the_target_law(target, tmp_path, repeating_prompt):
+@pytest.mark.parametrize("fused", [False, True])
+def test_sampled_output_follows_the_target_law(target, tmp_path, repeating_prompt, fused):
     sampling = SamplingParams(temperature=1.0, top_k=20)
     prompt_ids = target.encode(repeating_prompt)
     law = exact_two_token_law(target, prompt_ids, sampling)
-    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=5, echo=True))
+    drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=5, echo=True, fused=fused))
     engine = SpeculativeEngine(target, drafter)
     assert engine.generate(prompt_ids, GenerationConfig(max_new_tokens=4, k=3)).stats.drafted_tokens > 0
     runs = 1500

@@ -272,3 +272,23 @@ def test_attention_groups_pad_short_rows_together_and_leave_long_rows_alone():
     assert attention.attention_groups([3, 1, 0, 40, 2, 5]) == [(0, 2), (3, 4), (4, 6)]
     assert attention.attention_groups([0, 0]) == []
     assert attention.attention_groups([17, 2]) == [(0, 1), (1, 2)]
+
+
+def test_feature_layers_hand_on_the_hidden_states_after_those_layers(tiny_dir):
+    """With feature_layers, hidden_out gets the states after each of those layers side by side (a fused draft
+    head's input), in forward and forward_packed alike; the last of them, after every layer, is what it hands
+    on without them."""
+    model = load_model(tiny_dir, "float32").model
+    ids = [5, 9, 2, 7]
+    width, layers = model.embed.shape[1], model.config.num_layers
+    last: list[torch.Tensor] = []
+    model.forward(torch.tensor([ids]), model.new_cache(1, 8), hidden_out=last)
+    model.feature_layers = (1, layers)
+    fused: list[torch.Tensor] = []
+    model.forward(torch.tensor([ids]), model.new_cache(1, 8), hidden_out=fused)
+    packed: list[torch.Tensor | None] = []
+    model.forward_packed([ids], model.new_cache(1, 8), [True], hidden_out=packed)
+    assert fused[0].shape == (1, len(ids), 2 * width)
+    assert torch.equal(fused[0][..., width:], last[0])
+    assert not torch.allclose(fused[0][..., :width], last[0])  # the first layer's, not the last's
+    torch.testing.assert_close(packed[0], fused[0][0])

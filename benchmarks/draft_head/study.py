@@ -210,7 +210,7 @@ class FeatureTap:
             self._last = x.detach()
             return original_logits(x)
 
-        def layers(x, attend):  # Transformer._layers, copying x after the early layers
+        def layers(x, attend, kept=None):  # Transformer._layers, copying x after the early layers
             from verispec.models.transformer import ACTIVATIONS, rms_norm
 
             eps = model.config.rms_norm_eps

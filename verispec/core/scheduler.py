@@ -128,6 +128,7 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
         self.prefix_cache = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         self.draft: BatchedProposer | None = None
         if isinstance(draft_model, HeadLayer):
+            target.model.feature_layers = draft_model.feature_layers  # the hidden states its forwards hand on
             self.draft = BatchedDraftHead(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
         elif draft_model is not None:
             self.draft = BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)

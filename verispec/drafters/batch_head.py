@@ -173,7 +173,7 @@ class BatchedDraftHead(ChainDrafter):
         head = self.model
         row, positions = 0, min(256, self.keys.shape[2] - 1)
         self._clear(row, 0)
-        features = torch.randn(1, positions, head.width, dtype=head.dtype)
+        features = torch.randn(1, positions, head.feature_width, dtype=head.dtype)
         ids = torch.randint(0, len(head.vocab), (1, positions))
         timings = {"position": [], "catch_up": []}
         for _ in range(repeats):

@@ -72,7 +72,19 @@ class HeadMath:
     gate_up, down and lm_head (the output head's rows over `vocab`), each callable as x -> x W^T (+ b); heads,
     head_dim, rope_theta, inverse (the rotary's inverse frequencies, (D/2,)); and dtype, what its matmuls read.
     Casts to dtype or float32 are no-ops (the same tensor) in a float32 module, so training's graph has none.
+    A head that fuses several of the target's layers (EAGLE-3) has feature_layers, the layer counts it reads the
+    hidden states after, and fuse, (C, F C); else the last layer's hidden state is its feature.
     """
+
+    feature_layers: tuple[int, ...] = ()  # (a subclass sets fuse where it has them)
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states (..., C), or (..., F C) of its feature_layers -> the head's normalized
+        features (..., C) in float32: rms(hidden), or rms(fuse([rms(h) for each layer's h]))."""
+        if not self.feature_layers:
+            return rms(hidden.float())
+        layers = [rms(part.float()) for part in hidden.chunk(len(self.feature_layers), -1)]
+        return rms(self.fuse(torch.cat(layers, -1).to(self.dtype)).float())
 
     def layer_input(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """(..., C) normalized features (float32) and (...,) next token ids -> the layer's input (..., C): fc over the
@@ -110,7 +122,7 @@ class DraftHead(HeadMath, torch.nn.Module):
     The target's embedding, final norm and output head (restricted to `vocab` ids) are frozen buffers."""
 
     def __init__(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor,
-                 heads: int, intermediate: int, rope_theta: float) -> None:
+                 heads: int, intermediate: int, rope_theta: float, feature_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         width = embed.shape[1]
         self.register_buffer("embed", embed, persistent=False)  # (V, C)
@@ -135,6 +147,12 @@ class DraftHead(HeadMath, torch.nn.Module):
                 linear.weight.normal_(0, 0.02)
             self.out.weight.mul_(0.1)
             self.down.weight.mul_(0.1)
+        self.feature_layers = tuple(feature_layers)
+        if feature_layers:  # starts passing the last of them on
+            self.fuse = torch.nn.Linear(len(feature_layers) * width, width, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.normal_(0, 0.02)
+                self.fuse.weight[:, -width:].copy_(torch.eye(width))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,7 +174,7 @@ class DraftHead(HeadMath, torch.nn.Module):
             "fc": self.fc.weight, "attn_norm": self.attn_norm, "qkv.weight": self.qkv.weight,
             "qkv.bias": self.qkv.bias, "out": self.out.weight, "mlp_norm": self.mlp_norm,
             "gate_up": self.gate_up.weight, "down": self.down.weight, "vocab": self.vocab,
-        }
+        } | ({"fuse": self.fuse.weight} if self.feature_layers else {})
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +220,7 @@ def save_head(head: DraftHead, path: Path, target_name: str, about: dict | None 
     metadata = {
         "format": HEAD_FORMAT, "target": target_name, "heads": str(head.heads), "rope_theta": repr(head.rope_theta),
         "weights": weights, "about": json.dumps(about or {}),
+        "feature_layers": ",".join(map(str, head.feature_layers)),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
@@ -278,9 +297,10 @@ class HeadLayer(HeadMath):
 
     def __init__(
         self, tensors: dict[str, torch.Tensor], heads: int, rope_theta: float, target: Transformer,
-        head_rows: torch.Tensor,
+        head_rows: torch.Tensor, feature_layers: tuple[int, ...] = (),
     ) -> None:
-        """head_rows: the target's dense output-head rows (V', C) of the head's vocabulary (tensors["vocab"])."""
+        """head_rows: the target's dense output-head rows (V', C) of the head's vocabulary (tensors["vocab"]);
+        feature_layers: where the head fuses several layers' hidden states (tensors["fuse"])."""
         dtype = target.dtype
         width = target.embed.shape[1]
         fc = tensors["fc"]
@@ -304,6 +324,16 @@ class HeadLayer(HeadMath):
         self.fc, self.qkv = linear(fc), linear(tensors["qkv.weight"], tensors["qkv.bias"])
         self.out, self.gate_up, self.down = linear(tensors["out"]), linear(tensors["gate_up"]), linear(tensors["down"])
         self.lm_head = linear(head_rows)  # (V', C)
+        self.feature_layers = tuple(feature_layers)
+        if feature_layers:
+            fuse = tensors.get("fuse")
+            if fuse is None or fuse.shape != (width, len(feature_layers) * width):
+                raise ValueError(f"the draft head reads layers {feature_layers} but has no fuse of their width")
+            if max(feature_layers) > target.config.num_layers:
+                raise ValueError(f"the draft head reads layer {max(feature_layers)}: the target has "
+                                 f"{target.config.num_layers}; it was trained for another target")
+            self.fuse = linear(fuse)
+        self.feature_width = width * max(1, len(self.feature_layers))  # of the target's hidden states it reads
 
     def new_cache(self, batch_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values, (B, H, capacity, D) each."""
@@ -323,7 +353,7 @@ class HeadLayer(HeadMath):
         features (B, T, C) in float32.
         """
         batch, num_new = next_ids.shape
-        f = features.float() if normalized else rms(features.float())
+        f = features.float() if normalized else self.target_features(features)
         x = self.layer_input(f, next_ids)  # (B, T, C)
         q, k, v = self.project(x, positions)  # (B, H, T, D) each
         slots = lengths[:, None] + torch.arange(num_new)  # (B, T)
@@ -385,7 +415,8 @@ def load_head(spec: str, target: "LoadedModel") -> HeadLayer:
     if metadata.get("target") and Path(metadata["target"]).name != Path(target.name).name:
         raise ValueError(f"draft head {path} was trained for {metadata['target']}, not {target.name}")
     rows = output_rows(target, tensors["vocab"].long())
-    return HeadLayer(tensors, int(metadata["heads"]), float(metadata["rope_theta"]), target.model, rows)
+    layers = tuple(int(layer) for layer in metadata.get("feature_layers", "").split(",") if layer)
+    return HeadLayer(tensors, int(metadata["heads"]), float(metadata["rope_theta"]), target.model, rows, layers)
 
 
 class HeadForwarding:
@@ -401,7 +432,7 @@ class HeadForwarding:
 
     def forward(self, input_ids: torch.Tensor, cache: "_HeadCache", last_only: bool = False) -> torch.Tensor:
         batch, num_new = input_ids.shape
-        features = torch.randn(batch, num_new, self.head.width, dtype=self.head.dtype)
+        features = torch.randn(batch, num_new, self.head.feature_width, dtype=self.head.dtype)
         positions = (cache.length + torch.arange(num_new))[None].expand(batch, -1)  # (B, T)
         lengths = torch.full((batch,), cache.length, dtype=torch.long)
         predicted = self.head.step(features, input_ids, positions, cache.keys, cache.values, lengths, False)

@@ -201,6 +201,9 @@ class Transformer:
         kinds = {layer.rope_kind for layer in self.layers} - {None}
         self._rotary = {kind: RotaryTable(config, kind, dtype) for kind in sorted(kinds)}
         self._windows = {layer.window for layer in self.layers} - {None}  # the sliding layers' windows
+        # The hidden states `hidden_out` hands on: () the last layer's; else those after each of these many layers,
+        # side by side (..., F C) (a draft head that fuses low, middle and high layers reads them).
+        self.feature_layers: tuple[int, ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -341,7 +344,8 @@ class Transformer:
         new token t may see new token u; default causal. Writes keys/values at slots
         lengths[b] .. lengths[b] + T - 1 but commits nothing. Returns (B, T, V'), or (B, 1, V') with
         last_only, in float32; V' = V unless the output vocabulary was restricted. hidden_out: gets the last
-        layer's hidden states before the final norm, (B, T, C) in the compute dtype (what a draft head reads).
+        layer's hidden states before the final norm, (B, T, C) in the compute dtype (what a draft head reads), or
+        with feature_layers those layers', (B, T, F C).
         """
         c = self.config
         batch, num_new = input_ids.shape
@@ -385,9 +389,10 @@ class Transformer:
                 attn = attn.to(self.dtype)
             return attn.transpose(1, 2).reshape(batch, num_new, q_size)
 
-        x = self._layers(self._embed(input_ids), attend)  # (B, T, C)
+        kept = [] if hidden_out is not None and self.feature_layers else None
+        x = self._layers(self._embed(input_ids), attend, kept)  # (B, T, C)
         if hidden_out is not None:
-            hidden_out.append(x)
+            hidden_out.append(torch.cat(kept, -1) if kept else x)
         if last_only:
             x = x[:, -1:]
         return self._logits(x)  # (B, T, V')
@@ -427,9 +432,10 @@ class Transformer:
             return q
         return q * (self.config.attention_scale * self.config.head_dim**0.5)
 
-    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, attend, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder layers over hidden states x (..., C); attend(layer index, qkv (..., (H + 2 Hkv) D))
-        stores the new keys and values and returns the attention output (..., H D)."""
+        stores the new keys and values and returns the attention output (..., H D). kept: gets the hidden states
+        after each of feature_layers layers."""
         eps = self.config.rms_norm_eps
         activation = ACTIVATIONS[self.config.hidden_act]
         for index, layer in enumerate(self.layers):
@@ -442,6 +448,8 @@ class Transformer:
             if layer.post_mlp_norm is not None:
                 mixed = rms_norm(mixed, layer.post_mlp_norm, eps)
             x = x + mixed
+            if kept is not None and index + 1 in self.feature_layers:
+                kept.append(x)
         return x
 
     @torch.inference_mode()
@@ -516,9 +524,11 @@ class Transformer:
                 out[tokens] = attn.transpose(1, 2).reshape(-1, heads, c.head_dim)[padded_index]
             return out.view(total, q_size)
 
-        x = self._layers(self._embed(torch.tensor([t for tokens in row_tokens for t in tokens])), attend)  # (N, C)
-        if hidden_out is not None:
-            hidden_out.extend(row_x if len(row_x) else None for row_x in x.split(counts))
+        kept = [] if hidden_out is not None and self.feature_layers else None
+        x = self._layers(self._embed(torch.tensor([t for tokens in row_tokens for t in tokens])), attend, kept)
+        if hidden_out is not None:  # (N, C), or (N, F C) with feature_layers, by row
+            features = torch.cat(kept, -1) if kept else x
+            hidden_out.extend(row_x if len(row_x) else None for row_x in features.split(counts))
         wanted = [b for b in range(len(counts)) if with_logits[b] and counts[b]]
         results: list[torch.Tensor | None] = [None] * len(counts)
         if wanted:
