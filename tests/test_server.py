@@ -581,6 +581,12 @@ BAD_REQUESTS = {
         400, "invalid_json_schema", "response_format",
     ),
     "schema-missing": Bad(CHAT, chat(response_format={"type": "json_schema"}), 400, None, "response_format"),
+    # A pattern too complex for the grammar's lexer compiles, gives a first mask, and fails once the string opens.
+    **{f"schema-lexer-fails-after-the-first-token{'-streamed' * stream}": Bad(
+        CHAT, chat(stream=stream, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}),
+        400, "invalid_json_schema", "response_format",
+    ) for stream in (False, True)},
     "schema-admits-no-value": Bad(
         COMPLETIONS, good(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
         400, "invalid_json_schema", "response_format",

@@ -39,6 +39,11 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}  # response_format {"type":
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Tokens a new grammar is walked ahead by before it is accepted (Grammar.walk_ahead): a lexer that cannot be built
+# fails as the first value opens, so a request is refused with a 400, not ended on its second token.
+CHECKED_TOKENS = 2
+
+
 class SchemaError(ValueError):
     """A schema the grammar engine cannot compile; the message says why."""
 
@@ -78,8 +83,8 @@ class GrammarCompiler:
         if matcher.is_error():
             raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
         grammar = Grammar(matcher, self.vocab_size)
-        try:  # the first mask, now: a grammar whose lexer fails on it would otherwise fail mid-request
-            grammar.allowed()
+        try:  # the first masks, now: a grammar whose lexer fails on them would otherwise fail mid-request
+            grammar.walk_ahead(CHECKED_TOKENS)
         except RuntimeError as error:
             raise SchemaError(f"{what} cannot be used: {error}") from None
         if matcher.is_error() or grammar.finished:
@@ -117,6 +122,22 @@ class Grammar:
         if not bits.any():  # never for a valid state: an empty mask would make p all NaN
             raise RuntimeError(f"the grammar allows no next token: {self._matcher.get_error() or 'empty mask'}")
         return torch.from_numpy(bits.astype(bool))
+
+    def walk_ahead(self, depth: int) -> None:
+        """Take `depth` tokens, each the first the grammar allows, computing every mask on the way, and come back:
+        a RuntimeError where the grammar fails on them (a pattern too complex for its lexer fails once the string
+        opens, not at the first mask). The state is unchanged where none is raised."""
+        walked = 0
+        try:
+            for _ in range(depth):
+                if self.finished:
+                    return
+                self.advance([int(self.allowed().nonzero()[0])])
+                walked += 1
+            if not self.finished:
+                self.allowed()
+        finally:
+            self.rollback(walked)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of tokens, in order, the grammar accepts from the current state (the state is unchanged)."""

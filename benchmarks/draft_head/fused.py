@@ -85,7 +85,7 @@ class LayerTap:
         original_logits = model._logits
         eps, activation = model.config.rms_norm_eps, ACTIVATIONS[model.config.hidden_act]
 
-        def layers(x, attend):  # Transformer._layers, stopping after max(LAYERS) layers when self.stop
+        def layers(x, attend, kept=None):  # Transformer._layers, stopping after max(LAYERS) layers when self.stop
             count = max(LAYERS) if self.stop else len(model.layers)
             for index, layer in enumerate(model.layers[:count]):
                 attended = layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
