@@ -61,8 +61,6 @@ class GrammarCompiler:
 
     def json_schema(self, schema: dict[str, Any]) -> "Grammar":
         """A fresh grammar for one request; SchemaError names what is wrong with the schema."""
-        import llguidance
-
         source = _grammar_source(json.dumps(schema))  # key order kept: properties come in the schema's order
         return self._grammar(source, "the JSON schema")
 
