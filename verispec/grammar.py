@@ -82,7 +82,9 @@ class GrammarCompiler:
             raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
         grammar = Grammar(matcher, self.vocab_size)
         try:  # the first masks, now: a grammar whose lexer fails on them would otherwise fail mid-request
-            grammar.walk_ahead(CHECKED_TOKENS)
+            grammar.allowed()
+            if not (matcher.is_error() or grammar.finished):
+                grammar.walk_ahead(CHECKED_TOKENS)
         except RuntimeError as error:
             raise SchemaError(f"{what} cannot be used: {error}") from None
         if matcher.is_error() or grammar.finished:

@@ -168,7 +168,8 @@ class BatchedProposer(ABC):
         return self.source or None
 
     def observe(self, row: int, position: int, features: torch.Tensor) -> None:
-        """The target's last hidden states (T, C) of the row's positions position .. position + T - 1."""
+        """The target's hidden states (T, C), or (T, F C) of a fused head's layers (Transformer.feature_layers), of
+        the row's positions position .. position + T - 1."""
         raise NotImplementedError(f"{type(self).__name__} does not read hidden states (needs_hidden_states)")
 
     def timed_costs(self) -> tuple[float, float]:

@@ -56,7 +56,7 @@ class BatchedDraftHead(ChainDrafter):
         self._inputs[row] = None
 
     def observe(self, row: int, position: int, features: torch.Tensor) -> None:
-        """The target's last hidden states (T, C) at positions position .. position + T - 1 of the row's sequence.
+        """The target's hidden states (T, C or F C) at positions position .. position + T - 1 of the row's sequence.
         Not where the row's own ones end (positions it never saw): the row starts again from `position`."""
         count = features.shape[0]
         if not count:
