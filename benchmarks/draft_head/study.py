@@ -196,58 +196,34 @@ def log(message: str) -> None:
 
 class FeatureTap:
     """Teacher-forces token windows through the target and keeps, per position, its last hidden state (before the
-    final norm), its next-token argmax, and the hidden state after chosen early layers (layer skip)."""
+    final norm), its next-token argmax, and the hidden state after chosen early layers (layer skip): the states the
+    target's forward hands on with Transformer.feature_layers."""
 
     def __init__(self, loaded, early_layers: tuple[int, ...] = ()) -> None:
         self.loaded, self.model = loaded, loaded.model
-        self.early_layers = early_layers
-        self._last: torch.Tensor | None = None
-        self._early: dict[int, torch.Tensor] = {}
-        model = self.model
-        original_logits = model._logits
-
-        def logits(x):
-            self._last = x.detach()
-            return original_logits(x)
-
-        def layers(x, attend, kept=None):  # Transformer._layers, copying x after the early layers
-            from verispec.models.transformer import ACTIVATIONS, rms_norm
-
-            eps = model.config.rms_norm_eps
-            activation = ACTIVATIONS[model.config.hidden_act]
-            for index, layer in enumerate(model.layers):
-                attended = layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
-                if layer.post_attn_norm is not None:
-                    attended = rms_norm(attended, layer.post_attn_norm, eps)
-                x = x + attended
-                gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)
-                mixed = layer.down(activation(gate).mul_(up))
-                if layer.post_mlp_norm is not None:
-                    mixed = rms_norm(mixed, layer.post_mlp_norm, eps)
-                x = x + mixed
-                if index + 1 in self.early_layers:
-                    self._early[index + 1] = x.detach().clone()
-            return x
-
-        model._logits, model._layers = logits, layers
+        self.early_layers = tuple(sorted(early_layers))
 
     def run(self, ids: list[int]) -> dict[str, torch.Tensor]:
         """One sequence teacher-forced in WINDOW-token forwards: features (T, C) bf16, argmax (T,), early layers'
         hidden states (T, C) each."""
-        cache = self.model.new_cache(1, len(ids) + 1)
-        features, argmax, early = [], [], {layer: [] for layer in self.early_layers}
-        for start in range(0, len(ids), WINDOW):
-            chunk = ids[start : start + WINDOW]
-            logits = self.model.forward(torch.tensor([chunk]), cache)  # (1, T, V)
-            cache.commit(len(chunk))
-            argmax.append(logits[0].argmax(-1))
-            features.append(self._last[0].to(torch.bfloat16))
-            for layer in self.early_layers:
-                early[layer].append(self._early[layer][0].to(torch.bfloat16))
-        out = {"ids": torch.tensor(ids), "features": torch.cat(features), "argmax": torch.cat(argmax)}
-        for layer, parts in early.items():
-            out[f"early{layer}"] = torch.cat(parts)
-        return out
+        model = self.model
+        layers = (*self.early_layers, model.config.num_layers)  # the last: the state the final norm reads
+        cache = model.new_cache(1, len(ids) + 1)
+        parts: dict[str, list[torch.Tensor]] = {"features": [], "argmax": []}
+        model.feature_layers = layers
+        try:
+            for start in range(0, len(ids), WINDOW):
+                chunk = ids[start : start + WINDOW]
+                hidden: list[torch.Tensor] = []
+                logits = model.forward(torch.tensor([chunk]), cache, hidden_out=hidden)  # (1, T, V)
+                cache.commit(len(chunk))
+                parts["argmax"].append(logits[0].argmax(-1))
+                for layer, state in zip(layers, hidden[0][0].chunk(len(layers), -1)):  # (T, C) each
+                    name = "features" if layer == layers[-1] else f"early{layer}"
+                    parts.setdefault(name, []).append(state.to(torch.bfloat16))
+        finally:
+            model.feature_layers = ()
+        return {"ids": torch.tensor(ids)} | {name: torch.cat(p) for name, p in parts.items()}
 
 
 def answers(loaded, prompts: list[list[int]], temperature: float = 0.0,
