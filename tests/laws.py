@@ -70,10 +70,11 @@ def exact_two_token_law(target, prompt_ids, sampling):
     return p1[:, None] * p2
 
 
-def two_token_frequencies(engine, prompt_ids, sampling, runs, k=3):
+def two_token_frequencies(engine, prompt_ids, sampling, runs, k=3, draft_p_min=0.0):
     counts = Counter()
     for seed in range(runs):
-        config = GenerationConfig(max_new_tokens=2, k=k, eos_token_ids=(), sampling=sampling, seed=seed)
+        config = GenerationConfig(max_new_tokens=2, k=k, eos_token_ids=(), sampling=sampling, seed=seed,
+                                  draft_p_min=draft_p_min)
         ids = engine.generate(prompt_ids, config).token_ids
         counts[tuple(ids)] += 1
     return counts

@@ -226,3 +226,27 @@ def test_a_request_caps_or_turns_off_its_own_speculation(target, other_tiny_dir,
     assert free.stats.drafted_tokens > free.stats.target_forwards  # k = 4 drafts more than one a step
     with pytest.raises(ValueError, match="max_draft_tokens"):
         GenerationConfig(max_draft_tokens=-1)
+
+
+def test_a_draft_ended_where_the_draft_is_unsure_keeps_the_target_law(target, other, repeating_prompt):
+    """draft_p_min ends a sampled draft before a token where the draft's top probability is low: a rule of q alone,
+    so two sampled tokens still follow plain decoding's exact law. The threshold is one at which some drafts end
+    early and some do not (checked), so the rule is exercised."""
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    prompt_ids = target.encode(repeating_prompt)
+    spec = SpeculativeEngine(target, DraftModelDrafter(other.model, target.model.vocab_size))
+
+    def drafted(p_min: float) -> int:
+        configs = [greedy(max_new_tokens=8, k=3, sampling=sampling, seed=seed, draft_p_min=p_min) for seed in range(8)]
+        return sum(spec.generate(prompt_ids, config).stats.drafted_tokens for config in configs)
+
+    whole = drafted(0.0)
+    p_min = next(p for p in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9) if 0 < drafted(p) < whole)
+    law = exact_two_token_law(target, prompt_ids, sampling)
+    runs = 1500
+    assert law_matches(two_token_frequencies(spec, prompt_ids, sampling, runs, draft_p_min=p_min), law, runs)
+
+
+def test_a_bad_draft_p_min_is_refused():
+    with pytest.raises(ValueError, match="draft_p_min is a probability"):
+        GenerationConfig(draft_p_min=1.5)

@@ -51,3 +51,27 @@ def test_one_client_keeps_nearly_all_of_the_best_fixed_ks_gain(kind, traces, ord
     best = max(speedup(costs, traces, 1, order, k, REQUESTS[1]) for k in range(1, K_MAX + 1))
     auto = speedup(costs, traces, 1, order, "auto", REQUESTS[1])
     assert auto - 1 >= 0.95 * (best - 1), f"auto {auto:.3f}x plain, best fixed k {best:.3f}x"
+
+
+def _tree_pricing():
+    import importlib.util
+
+    path = RESULTS.parent / "scripts" / "tree_pricing.py"
+    spec = importlib.util.spec_from_file_location("tree_pricing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=label)
+def test_no_kind_pays_for_token_trees_over_the_heads_guesses(kind):
+    """The engine verifies chains only (issue 48 item 3): on every recorded kind's costs, the head's best static tree
+    (benchmarks/results/xeon/draft-head-trees) is within 10% of its best chain on every workload. A kind whose verify
+    pass is flat enough for trees to pay more fails here: then trees are worth building for it."""
+    import json
+
+    pricing = _tree_pricing()
+    shapes = json.loads(pricing.SHAPES.read_text())
+    for workload, speedups in pricing.priced(Costs.from_json(kind), shapes).items():
+        (chain, x_chain), (tree, x_tree) = pricing.best(speedups, "chain"), pricing.best(speedups, "tree")
+        assert x_tree <= 1.10 * x_chain, f"{workload}: {tree} {x_tree:.2f}x plain against {chain} {x_chain:.2f}x"

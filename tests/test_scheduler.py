@@ -335,6 +335,37 @@ def test_batched_draft_rows_match_the_single_request_drafter(target, draft):
             sequences, singles = sequences[1:], singles[1:]
 
 
+def test_a_row_stops_drafting_where_its_draft_is_unsure(target, draft):
+    """With min_confidence (draft p-min), each row's chain ends before the first position whose draft top probability
+    is below it: the rest of its whole-k chain, unchanged before that; a row unsure at once proposes nothing, and the
+    batch stops drafting once every row has stopped."""
+    prompts = [target.encode(p) for p in PROMPTS[:3]]
+    k = 5
+
+    def chains(min_confidence: float):
+        batched = BatchedDraftModel(draft.model, target.model.vocab_size, max_batch_size=3, capacity=128)
+        batched.min_confidence = min_confidence
+        for row, prompt in enumerate(prompts):
+            batched.add(row, prompt, 128)
+        proposals = batched.propose([list(p) for p in prompts], [k] * 3, [SamplingParams()] * 3, [None] * 3)
+        return [p.token_ids[0].tolist() for p in proposals], max(p.forwards for p in proposals)
+
+    whole, forwards = chains(0.0)
+    assert [len(chain) for chain in whole] == [k] * 3 and forwards == k
+    tops = []  # the draft's top probability before each drafted token, by row
+    for prompt, chain in zip(prompts, whole):
+        logits = draft.model.forward(torch.tensor([prompt + chain]), draft.model.new_cache(1, len(prompt) + k + 1))
+        tops.append(torch.softmax(logits[0, len(prompt) - 1 : -1].float(), -1).max(-1).values.tolist())
+    threshold = sorted(p for row in tops for p in row)[len(tops) * k // 2]  # half the positions fall below it
+    wanted = [next((i for i, p in enumerate(row) if p < threshold), k) for row in tops]
+    assert len(set(wanted)) > 1  # rows stop at different positions
+    stopped, forwards = chains(threshold)
+    assert stopped == [chain[:n] for chain, n in zip(whole, wanted)]
+    assert forwards == max(wanted) + (max(wanted) < k)  # the position found unsure was drafted, then no more
+    nothing, forwards = chains(1.01)
+    assert nothing == [[]] * 3 and forwards == 1  # the first position was drafted, and found unsure everywhere
+
+
 def test_a_probe_in_a_big_batch_does_not_fill_stale_draft_caches(target, draft, monkeypatch):
     """After plain steps, a k = 1 probe asks only rows whose draft cache is current."""
     scheduler = Scheduler(target, draft.model, "draft-model", k="auto", limits=SchedulerLimits(4, 8, 256))

@@ -42,6 +42,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {text}")
+    return value
+
+
 def _k_value(text: str) -> int | str:
     return "auto" if text == "auto" else _non_negative_int(text)
 
@@ -139,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_format_arguments(serve)
     serve.add_argument("--k", type=_k_value, default="auto", help="draft tokens per step, or 'auto' (default)")
     serve.add_argument("--k-max", type=_positive_int, default=8, help="the longest draft 'auto' considers")
+    serve.add_argument("--draft-p-min", type=_probability, default=0.0,
+                       help="a row's draft (draft model or head) ends before a token its draft gave less than this "
+                       "probability (0: never; as llama.cpp's --draft-p-min)")
     serve.add_argument("--k-per-sequence", action=argparse.BooleanOptionalAction, default=False,
                        help="with --k auto: each sequence drafts as long as its own acceptance pays (else one k per drafter)")
     serve.add_argument("--max-batch-size", type=_positive_int, default=defaults.max_batch_size,
@@ -387,7 +400,7 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     settings = ReplicaSettings(
         target=args.target, draft=pairing.draft, drafter=drafter, dtype=args.dtype, quantize=args.quantize,
         draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab, k=args.k, k_max=args.k_max,
-        max_batch_size=args.max_batch_size,
+        draft_p_min=args.draft_p_min, max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting, max_context=args.max_context, prefix_cache_mb=args.prefix_cache_mb,
         chunked_prefill=args.chunked_prefill, max_request_bytes=args.max_request_bytes,
         served_model_name=args.served_model_name, threads=threads, replicas=replicas,
@@ -436,7 +449,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.target, pairing.draft, pairing.drafter, args.dtype, args.draft_quantize, args.k, args.k_max, limits,
             metrics, progress=sys.stderr.isatty(), quantize=args.quantize, chunked_prefill=args.chunked_prefill,
             k_per_sequence=args.k_per_sequence, draft_vocab=args.draft_vocab,
-            foreign_draft_crosses=args.drafter is None,
+            foreign_draft_crosses=args.drafter is None, draft_p_min=args.draft_p_min,
         ), args.threads)
     except BaseException:
         sock.close()

@@ -16,6 +16,10 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's own
     k: int | str = "auto"  # draft tokens per step, or "auto": chosen each step by the controller
     k_max: int = 8  # the longest draft "auto" considers
+    # A draft model's or head's draft ends before a token it gave less than this probability (0: never; llama.cpp's
+    # --draft-p-min). Lossless whatever the value; measured on a Zen 4 it neither paid nor cost clearly (benchmarks/
+    # results/zen4/draft-p-min), so it is off. Served: `verispec serve --draft-p-min`.
+    draft_p_min: float = 0.0
     # This request's own cap on draft tokens per step, whatever the engine or server would choose (0: this request
     # is decoded plainly, also in a batch that speculates); None: no cap of its own. Served: `max_draft_tokens`.
     max_draft_tokens: int | None = None
@@ -30,6 +34,8 @@ class GenerationConfig:
             raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never end a draft early), got {self.draft_p_min}")
         if self.max_draft_tokens is not None and (
             isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0
         ):

@@ -93,6 +93,7 @@ class SpeculativeEngine:
             self.target, draft_model, name, k=config.k, k_max=config.k_max,
             limits=SchedulerLimits(max_batch_size=1, max_waiting=1, max_context=context, prefix_cache_bytes=0),
             sequence_drafter=own, controller=self.controller(config.k_max), synchronous=True,
+            draft_p_min=config.draft_p_min,
         )
 
 

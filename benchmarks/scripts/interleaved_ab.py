@@ -5,6 +5,8 @@ did (their records: rows decoding, prompt chunks).
 
     .venv/bin/python benchmarks/scripts/interleaved_ab.py --clients 16 --workload long-documents --rounds 4
 
+With --p-min P the two are the defaults and the defaults with `--draft-p-min P` (benchmarks/results/zen4/draft-p-min).
+
 A closed loop, as `verispec bench-serve` runs: `clients` requests go in at once and each one that finishes is
 followed by the next, until every prompt ran `repeat` times; greedy, 128 new tokens; chunked prefill, as `verispec
 serve` does; synchronous, no HTTP. A fresh scheduler each round: the controller learns from nothing, as a fresh
@@ -31,11 +33,14 @@ TARGET = "qwen2.5-coder-1.5b-instruct"
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
-def closed_loop(target, head, prompts: list[list[int]], clients: int, defaults: bool) -> tuple[float, list, str]:
+def closed_loop(
+    target, head, prompts: list[list[int]], clients: int, defaults: bool, p_min: float = 0.0
+) -> tuple[float, list, str]:
     """(tokens per second, each request's tokens, what the steps did) of one run."""
     scheduler = Scheduler(
         target, draft_model=head if defaults else None, drafter="composite" if defaults else "none", k="auto",
         limits=SchedulerLimits(max_batch_size=clients, max_context=2048), chunked_prefill=True, synchronous=True,
+        draft_p_min=p_min,
     )
     steps: list[StepRecord] = []
     scheduler.step_observers.append(steps.append)
@@ -74,6 +79,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--limit", type=int, default=None, help="prompts of the workload (default: all)")
     parser.add_argument("--repeat", type=int, default=2, help="requests per prompt (a served run's 32 of 16)")
+    parser.add_argument("--p-min", type=float, default=None,
+                        help="compare the defaults with the defaults at this --draft-p-min, not plain with the defaults")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model(TARGET, "auto", False, "auto")
@@ -81,22 +88,25 @@ def main() -> None:
     source = args.workload if args.workload in ("humaneval", "chat") else str(WORKLOADS / f"{args.workload}.jsonl")
     items = load_workload(source, args.limit)
     prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items] * args.repeat
-    figures: dict[bool, list[float]] = {False: [], True: []}
-    plain_outputs = None
+    # (name, drafting, p_min): the baseline, then the one measured against it
+    arms = [("plain", False, 0.0), ("defaults", True, 0.0)]
+    if args.p_min is not None:
+        arms = [("defaults", True, 0.0), (f"defaults at p-min {args.p_min}", True, args.p_min)]
+    figures: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    first_outputs = None
     for round_ in range(args.rounds):
-        for defaults in ((False, True) if round_ % 2 == 0 else (True, False)):
-            rate, outputs, what = closed_loop(target, head, prompts, args.clients, defaults)
-            figures[defaults].append(rate)
-            if not defaults:
-                plain_outputs = outputs
-            name = "defaults" if defaults else "plain"
+        for name, drafting, p_min in (arms if round_ % 2 == 0 else arms[::-1]):
+            rate, outputs, what = closed_loop(target, head, prompts, args.clients, drafting, p_min)
+            figures[name].append(rate)
             print(f"round {round_} {name}: {rate:.2f} tok/s; {what}", flush=True)
-            if defaults and plain_outputs is not None and outputs != plain_outputs:
-                raise SystemExit(f"round {round_}: the defaults' outputs differ from plain decoding's")
-    ratios = [d / p for d, p in zip(figures[True], figures[False])]
-    print(f"{args.workload}, {args.clients} clients: plain {statistics.median(figures[False]):.2f} tok/s, defaults "
-          f"{statistics.median(figures[True]):.2f}; ratios {', '.join(f'{r:.3f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.3f}; outputs equal to plain's")
+            first_outputs = first_outputs or outputs
+            if outputs != first_outputs:
+                raise SystemExit(f"round {round_}: {name}'s outputs differ from the other's (greedy: both plain's)")
+    (base, *_), (other, *_) = arms
+    ratios = [b / a for a, b in zip(figures[base], figures[other])]
+    print(f"{args.workload}, {args.clients} clients: {base} {statistics.median(figures[base]):.2f} tok/s, {other} "
+          f"{statistics.median(figures[other]):.2f}; ratios {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.3f}; outputs equal")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from verispec.core.step import Stepping
 from verispec.core.step_record import StepMetrics, StepRecord
 from verispec.drafters import composite_lookup, make_drafter
 from verispec.drafters.base import BatchedProposer, Drafter
-from verispec.drafters.batch_draft import BatchedDraftModel
+from verispec.drafters.batch_draft import BatchedDraftModel, ChainDrafter
 from verispec.drafters.batch_head import BatchedDraftHead
 from verispec.drafters.draft_head import HeadLayer
 from verispec.drafters.sequence_drafters import SequenceDrafters
@@ -72,12 +72,14 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
         sequence_drafter: Callable[[], Drafter] | None = None,
         controller: AdaptiveController | None = None,
         synchronous: bool = False,
+        draft_p_min: float = 0.0,
     ) -> None:
         """draft_model: a same-tokenizer draft model, or a draft head over the target's hidden states (draft_head).
         drafter: one of SERVED_DRAFTERS, or with `sequence_drafter` (a library's own drafter, made for each
         sequence) the name its statistics go by: "composite" when a draft model drafts where it finds nothing.
         controller: one that measured this machine and model pair before (the library keeps one across requests).
         synchronous: requests are submitted and run_once driven by one thread that reads its events itself.
+        draft_p_min: a row's draft from the draft model or head ends where its top probability falls below this.
         """
         if sequence_drafter is None and drafter not in SERVED_DRAFTERS:
             raise ValueError(f"the server's drafter must be one of {', '.join(SERVED_DRAFTERS)}, got {drafter!r}")
@@ -91,6 +93,8 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
             raise ValueError(f"k must be 'auto' or an integer >= 0, got {k!r}")
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 <= draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never stop a draft early), got {draft_p_min}")
         for name in ("max_batch_size", "max_waiting", "max_context"):
             if getattr(limits, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
@@ -132,6 +136,8 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
             self.draft = BatchedDraftHead(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
         elif draft_model is not None:
             self.draft = BatchedDraftModel(draft_model, target.model.vocab_size, limits.max_batch_size, capacity)
+        if isinstance(self.draft, ChainDrafter):
+            self.draft.min_confidence = draft_p_min
         self.batched_source = self.draft.source if self.draft is not None else BatchedDraftModel.source
         # The target's forwards hand on their hidden states (a draft head's input).
         self.feeds_head = self.draft is not None and self.draft.needs_hidden_states

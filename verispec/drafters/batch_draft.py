@@ -41,6 +41,11 @@ class ChainDrafter(BatchedProposer):
     states) per draft position for all rows, each row drafting from its own q. The propose loop, sampling, grammar
     and per-row faults are here; a subclass keeps its rows' caches and feeds them (_sync, _catch_up, _feed)."""
 
+    # A row stops drafting at a position where its draft's top probability is below this (that token dropped, as
+    # llama.cpp's --draft-p-min): no draft positions spent where the draft is unsure. Any rule that reads only the
+    # draft's own q keeps verification exact. 0: every row drafts its whole k.
+    min_confidence: float = 0.0
+
     def __init__(self, model: "Transformer | HeadLayer", target_vocab_size: int) -> None:
         super().__init__()
         self.model = model
@@ -80,14 +85,18 @@ class ChainDrafter(BatchedProposer):
         self, logits: torch.Tensor, tokens: list[int], drafted: torch.Tensor, params: SamplingParams,
         generator: torch.Generator | None, grammar: Grammar | None, probs: list[torch.Tensor],
         prompt_length: int | None,
-    ) -> int:
+    ) -> tuple[int, float]:
         """A row's next draft token from its draft scores (V',), after its committed `tokens` and the (i,) tokens it
-        `drafted` so far; its q (V,) appended to probs when sampling."""
+        `drafted` so far, and the draft's top probability there (1.0 unless min_confidence asks for it); its q (V,)
+        appended to probs when sampling."""
         ids = self.model.output_token_ids  # a restricted head: draft position j is target id ids[j]
         if params.greedy and grammar is None and not params.transforms_scores:
-            if ids is not None:  # max's index is argmax's (the first maximum), and faster (see verify_greedy)
-                return int(ids[int(logits.max(dim=-1).indices)])
-            return int(logits[: self.target_vocab_size].max(dim=-1).indices)
+            if ids is None:
+                logits = logits[: self.target_vocab_size]
+            best = logits.max(dim=-1)  # max's index is argmax's (the first maximum), and faster (see verify_greedy)
+            index = int(best.indices)
+            confidence = float(torch.exp(best.values - torch.logsumexp(logits, -1))) if self.min_confidence else 1.0
+            return (int(ids[index]) if ids is not None else index), confidence
         scores = self._scores_over_target_ids(logits)  # (V'',)
         allowed = fit_mask(grammar.allowed(), scores.shape[-1]) if grammar is not None else None  # (V'',)
         history = None
@@ -98,7 +107,7 @@ class ChainDrafter(BatchedProposer):
         q = self._to_target_vocab(logits_to_probs(scores, params, allowed, history))  # (V,)
         if not params.greedy:
             probs.append(q)
-        return int(sample(q[None], generator)[0])
+        return int(sample(q[None], generator)[0]), float(q.max()) if self.min_confidence else 1.0
 
     def propose(
         self,
@@ -138,6 +147,7 @@ class ChainDrafter(BatchedProposer):
         if not any(drafting):
             return [Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source) for _ in range(n)]
         logits = self._feed(tails)  # (n, V')
+        feeds = 1  # draft forwards: fewer than k where every row stopped early (confidence, a complete document)
         k = max(k for k, wants in zip(ks, drafting) if wants)
         drafted = torch.zeros(n, k, dtype=torch.long)  # (n, k)
         lengths = [row_k if wants else 0 for row_k, wants in zip(ks, drafting)]  # a complete document stops early
@@ -151,10 +161,15 @@ class ChainDrafter(BatchedProposer):
                     lengths[b] = i
                     continue
                 try:
-                    drafted[b, i] = self._draw(
+                    token, confidence = self._draw(
                         logits[b], tokens[b], drafted[b, :i], params[b], generators[b], grammar, probs[b],
                         prompt_lengths[b] if prompt_lengths is not None else None,
                     )
+                    if confidence < self.min_confidence:  # unsure here: the row's draft ends before this token
+                        del probs[b][i:]
+                        lengths[b] = i
+                        continue
+                    drafted[b, i] = token
                     if grammar is not None:
                         grammar.advance([int(drafted[b, i])])
                 except Exception as error:  # noqa: BLE001 - this row's failure is its own (see faults)
@@ -164,15 +179,16 @@ class ChainDrafter(BatchedProposer):
             if i < k - 1 and any(length > i + 1 for length in lengths):
                 rows = [[int(drafted[b, i])] if lengths[b] > i + 1 else None for b in range(n)]
                 logits = self._feed(rows)  # (n, V')
+                feeds += 1
         for grammar, length in zip(grammars, lengths):
             if grammar is not None:
                 grammar.rollback(length)  # it advanced once per drafted token
         return [
             Proposal(
-                drafted[b : b + 1, : lengths[b]], torch.stack(probs[b])[None] if probs[b] else None, k, self.source
+                drafted[b : b + 1, : lengths[b]], torch.stack(probs[b])[None] if probs[b] else None, feeds, self.source
             )
             if drafting[b] and lengths[b]
-            else Proposal(torch.empty(1, 0, dtype=torch.long), None, 0, self.source)
+            else Proposal(torch.empty(1, 0, dtype=torch.long), None, feeds if drafting[b] else 0, self.source)
             for b in range(n)
         ]
 

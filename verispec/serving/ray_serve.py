@@ -57,6 +57,7 @@ class ReplicaSettings(BaseModel):
     draft_vocab: str | int = "full"
     k: int | Literal["auto"] = "auto"
     k_max: int = Field(8, ge=1)
+    draft_p_min: float = Field(0.0, ge=0.0, le=1.0)  # a row's draft ends where the draft is less sure than this
     max_batch_size: int = Field(16, ge=1)  # per replica
     max_waiting: int = Field(64, ge=1)  # per replica; beyond it the replica answers 429
     max_context: int = Field(4096, ge=1)
@@ -355,7 +356,7 @@ class VerispecReplica:
         self.scheduler = start_in_model_thread(lambda: build_scheduler(
             s.target, s.draft, drafter, s.dtype, s.draft_quantize, s.k, s.k_max, limits, self.metrics,
             quantize=s.quantize, chunked_prefill=s.chunked_prefill, draft_vocab=s.draft_vocab,
-            foreign_draft_crosses=s.drafter is None,
+            foreign_draft_crosses=s.drafter is None, draft_p_min=s.draft_p_min,
         ), s.threads)
         if self.scheduler.target.format is not None:
             self.metrics.set_target(self.scheduler.target.format.as_dict())

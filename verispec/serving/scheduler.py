@@ -70,6 +70,7 @@ def build_scheduler(
     k_per_sequence: bool = False,
     draft_vocab: str | int = "full",
     foreign_draft_crosses: bool = False,
+    draft_p_min: float = 0.0,
 ) -> Scheduler:
     """Load the models named on the command line and build (not start) a scheduler over them.
 
@@ -116,5 +117,6 @@ def build_scheduler(
     if chunked_prefill is None:
         chunked_prefill = target_model.model.batch_invariant
     return Scheduler(
-        target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence, sequence_drafter
+        target_model, draft_model, drafter, k, k_max, limits, metrics, chunked_prefill, k_per_sequence, sequence_drafter,
+        draft_p_min=draft_p_min,
     )
