@@ -268,7 +268,7 @@ def test_a_rows_head_cache_holds_what_teacher_forcing_the_whole_text_gives(targe
     text = prompt + continuation
 
     def oracle(self, logits, tokens, drafted, *args):
-        return text[len(tokens) + len(drafted)]
+        return text[len(tokens) + len(drafted)], 1.0  # (the token, the draft's confidence in it)
 
     monkeypatch.setattr(ChainDrafter, "_draw", oracle)
     head = load_head(head_file(target, tmp_path, seed=8), target)
