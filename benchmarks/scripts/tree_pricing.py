@@ -10,7 +10,7 @@ half the prompts and counted on the other half). What a step costs is the machin
          + the kind's step overhead
     x plain = tokens per forward x (one-token forward + step overhead) / step
 
-    .venv/bin/python benchmarks/scripts/tree_pricing.py > benchmarks/results/trees-by-kind/README.md
+    .venv/bin/python benchmarks/scripts/tree_pricing.py   # the table in ../results/xeon/draft-head-trees/README.md
 """
 
 from __future__ import annotations
