@@ -177,30 +177,14 @@ def cmd_tap(args) -> None:
 # ---------------------------------------------------------------- the arms
 
 
-class FusedHead(DraftHead):
-    """DraftHead with EAGLE-3's fc3 in front: the layer's feature input at a verified position is
-    rms(fc3([rms(low), rms(mid), rms(high)])) instead of rms(f_t). fc3 starts passing `high` on."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        width = self.embed.shape[1]
-        self.fc3 = torch.nn.Linear(3 * width, width, bias=False)
-        with torch.no_grad():
-            self.fc3.weight.normal_(0, 0.02)
-            self.fc3.weight[:, 2 * width :].copy_(torch.eye(width))
-
-    def fused(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-        """(..., C) each, any float dtype -> the normalized fused feature (..., C) in float32."""
-        stacked = torch.cat([rms(low.float()), rms(mid.float()), rms(high.float())], -1)
-        return rms(self.fc3(stacked.to(self.dtype)).float())
-
-
 def make_head(arm: str, loaded, vocab: torch.Tensor, intermediate: int = 4096) -> DraftHead:
+    """A fused arm's head reads LAYERS through DraftHead's own fuse (EAGLE-3's fc3, starting as `high` passed on):
+    the engine drafts with such a head as saved (feature_layers), the same math."""
     if not ARMS[arm][0]:
         return build_head(loaded, vocab, intermediate)
     model, config = loaded.model, loaded.model.config
-    return FusedHead(model.embed.float(), model.final_norm.float(), model.lm_head.weight.float(), vocab,
-                     config.num_heads, intermediate, config.rope_theta)
+    return DraftHead(model.embed.float(), model.final_norm.float(), model.lm_head.weight.float(), vocab,
+                     config.num_heads, intermediate, config.rope_theta, feature_layers=LAYERS)
 
 
 def arm_rows(arm: str, work: Path, names: list[str]) -> list[dict]:
@@ -222,8 +206,8 @@ def arm_rows(arm: str, work: Path, names: list[str]) -> list[dict]:
 def step0_features(head: DraftHead, arm: str, row_or_batch: dict) -> torch.Tensor:
     """The layer's feature input at verified positions: fused, or the normalized last hidden state."""
     if ARMS[arm][0]:
-        return head.fused(row_or_batch["low"], row_or_batch["mid"], row_or_batch["high"])
-    return rms(row_or_batch["features"].float())
+        return head.target_features(torch.cat([row_or_batch[name] for name in ("low", "mid", "high")], -1))
+    return head.target_features(row_or_batch["features"])
 
 
 def chain_windows(rows: list[dict], depth: int) -> list[tuple[int, int, int]]:
@@ -508,12 +492,12 @@ def cmd_cost(args) -> None:
     head, _ = trained(Path(args.work) / f"{args.tag}.pt", dense)
     results = {"format": served.format.label, "per_position": [head_cost(head, served.model) for _ in range(2)]}
     model = served.model
-    if hasattr(head, "fc3"):
-        fc3 = Linear(head.fc3.weight.detach().to(model.dtype).contiguous())
+    if head.feature_layers:
+        fc3 = Linear(head.fuse.weight.detach().to(model.dtype).contiguous())
         fc3.quantize(model.weight_format, model.activations)
         fc3_ms = {}
         for rows in (1, 2, 4, 8):
-            x = torch.randn(rows, 3, head.fc3.weight.shape[0], dtype=model.dtype)  # low, mid, high
+            x = torch.randn(rows, len(LAYERS), head.fuse.weight.shape[0], dtype=model.dtype)  # low, mid, high
 
             def fuse(x=x):
                 with torch.inference_mode():
