@@ -12,7 +12,9 @@ from conftest import FAST_FORMAT
 from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
 from verispec.drafters import make_drafter
 from verispec.drafters.batch_head import BatchedDraftHead
-from verispec.drafters.draft_head import DraftHead, HeadLayer, load_head, output_rows, save_head
+from verispec.drafters import draft_head
+from verispec.drafters.draft_head import DraftHead, HeadLayer, attend_cached, load_head, output_rows, save_head
+from verispec.models.attention import kernels_available
 from verispec.engine import GenerationConfig, SpeculativeEngine
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
@@ -60,11 +62,34 @@ def plain_tokens(target, prompts=PROMPTS, tokens: int = 24) -> list[list[int]]:
     return [engine.generate(p, GenerationConfig(max_new_tokens=tokens, k=0)).token_ids for p in prompts]
 
 
+@pytest.mark.skipif(not kernels_available(), reason="the attention kernel needs AVX-512 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_heads_attention_kernel_attends_as_masked_torch_attention(dtype):
+    """attend_cached through verispec's kernel: each row's new positions over its own cached slots (rows of different
+    lengths, slots past them holding stale values) as torch's masked attention gives them."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(3, 4, 40, 32, generator=generator).to(dtype) for _ in range(2))  # (B, H, S, D)
+    q = torch.randn(3, 4, 3, 32, generator=generator).to(dtype)  # (B, H, T, D)
+    slots = torch.tensor([[5, 6, 7], [30, 31, 32], [0, 1, 2]])  # (B, T): each row's new positions
+    span = int(slots.max()) + 1
+    visible = torch.arange(span)[None, None, :] <= slots[:, :, None]  # (B, T, S)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys[:, :, :span].float(), values[:, :, :span].float(), attn_mask=visible[:, None])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attend_cached(q, keys, values, slots).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("kernel", [
+    pytest.param(True, id="kernel", marks=pytest.mark.skipif(
+        not kernels_available(), reason="the attention kernel needs AVX-512 and a C++ compiler")),
+    pytest.param(False, id="torch"),
+])
 @pytest.mark.parametrize("fused", [False, True])
-def test_drafting_computes_what_the_trained_module_computes(target, tmp_path, fused):
+def test_drafting_computes_what_the_trained_module_computes(target, tmp_path, fused, kernel, monkeypatch):
     """HeadLayer.step over teacher-forced hidden states (the last layer's, or several layers' side by side), in
-    any split of the positions, gives DraftHead.forward's predicted features; and its scores are the module's over
-    the head's vocabulary."""
+    any split of the positions, gives DraftHead.forward's predicted features, with verispec's attention kernel
+    or torch's; and its scores are the module's over the head's vocabulary."""
+    monkeypatch.setattr(draft_head, "attention_kernel_runs", lambda head_dim, dtype: kernel)
     vocab = torch.arange(0, target.model.vocab_size, 3)
     module = trainable_head(target, seed=1, vocab=vocab, fused=fused)
     path = tmp_path / "head.safetensors"

@@ -6,6 +6,8 @@ did (their records: rows decoding, prompt chunks).
     .venv/bin/python benchmarks/scripts/interleaved_ab.py --clients 16 --workload long-documents --rounds 4
 
 With --p-min P the two are the defaults and the defaults with `--draft-p-min P` (benchmarks/results/zen4/draft-p-min).
+With --torch-head-attention they are the defaults whose head attends in torch's masked attention (as before
+verispec's attention kernel took the head's, benchmarks/results/zen4/head-attention) and the defaults.
 
 A closed loop, as `verispec bench-serve` runs: `clients` requests go in at once and each one that finishes is
 followed by the next, until every prompt ran `repeat` times; greedy, 128 new tokens; chunked prefill, as `verispec
@@ -25,7 +27,7 @@ import torch
 from verispec import GenerationConfig
 from verispec.bench.workloads import load_workload, render_prompt
 from verispec.core import StepRecord
-from verispec.drafters import HEAD_DRAFT, load_head
+from verispec.drafters import HEAD_DRAFT, draft_head, load_head
 from verispec.models.loading import load_model
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
@@ -52,7 +54,7 @@ def closed_loop(
         busy = scheduler.run_once()
         while waiting and scheduler.num_active + scheduler.num_waiting < clients:
             handles.append(scheduler.submit(waiting.pop(0), config))
-        if not busy and not waiting:
+        if not busy and not waiting and not scheduler.num_active + scheduler.num_waiting:  # all submitted ran
             break
     seconds = time.perf_counter() - started
     outputs = [[token for event in handle.iter_events() for token in event.token_ids] for handle in handles]
@@ -66,8 +68,15 @@ def closed_loop(
               f"{statistics.median(s.forward_seconds for s in plain_steps) * 1e3:.1f} ms, beyond it p50 "
               f"{statistics.median(s.seconds - s.forward_seconds for s in plain_steps) * 1e3:.2f} ms"
               if plain_steps else "")
+    drafted = [row for step in steps for row in step.rows if row.drafted]
+    head_rows = [row for row in drafted if row.source == "draft-head"]
+    drafts = (f"; drafting rows: {statistics.mean(r.drafted for r in drafted):.2f} drafted, "
+              f"{statistics.mean(r.accepted for r in drafted):.2f} accepted ({len(head_rows)} by the head); "
+              f"drafting steps: draft p50 {statistics.median(sum(s.draft_seconds.values()) for s in steps if any(r.drafted for r in s.rows)) * 1e3:.1f} ms, "
+              f"forward p50 {statistics.median(s.forward_seconds for s in steps if any(r.drafted for r in s.rows)) * 1e3:.1f} ms"
+              if drafted else "")
     what = (f"{len(steps)} steps ({drafting} drafting), {rows:.1f} rows on average, {len(chunks)} prompt chunks "
-            f"(median {statistics.median(chunks) if chunks else 0} tokens){beyond}")
+            f"(median {statistics.median(chunks) if chunks else 0} tokens){beyond}{drafts}")
     return sum(map(len, outputs)) / seconds, outputs, what
 
 
@@ -81,6 +90,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="requests per prompt (a served run's 32 of 16)")
     parser.add_argument("--p-min", type=float, default=None,
                         help="compare the defaults with the defaults at this --draft-p-min, not plain with the defaults")
+    parser.add_argument("--torch-head-attention", action="store_true",
+                        help="compare the defaults whose head attends in torch with the defaults")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model(TARGET, "auto", False, "auto")
@@ -88,14 +99,19 @@ def main() -> None:
     source = args.workload if args.workload in ("humaneval", "chat") else str(WORKLOADS / f"{args.workload}.jsonl")
     items = load_workload(source, args.limit)
     prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items] * args.repeat
-    # (name, drafting, p_min): the baseline, then the one measured against it
-    arms = [("plain", False, 0.0), ("defaults", True, 0.0)]
+    # (name, drafting, p_min, head attention in verispec's kernel where it runs): the baseline, then the one
+    # measured against it
+    arms = [("plain", False, 0.0, True), ("defaults", True, 0.0, True)]
     if args.p_min is not None:
-        arms = [("defaults", True, 0.0), (f"defaults at p-min {args.p_min}", True, args.p_min)]
-    figures: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+        arms = [("defaults", True, 0.0, True), (f"defaults at p-min {args.p_min}", True, args.p_min, True)]
+    if args.torch_head_attention:
+        arms = [("defaults, head attention in torch", True, 0.0, False), ("defaults", True, 0.0, True)]
+    kernel_runs = draft_head.attention_kernel_runs
+    figures: dict[str, list[float]] = {name: [] for name, *_ in arms}
     first_outputs = None
     for round_ in range(args.rounds):
-        for name, drafting, p_min in (arms if round_ % 2 == 0 else arms[::-1]):
+        for name, drafting, p_min, head_kernel in (arms if round_ % 2 == 0 else arms[::-1]):
+            draft_head.attention_kernel_runs = kernel_runs if head_kernel else lambda head_dim, dtype: False
             rate, outputs, what = closed_loop(target, head, prompts, args.clients, drafting, p_min)
             figures[name].append(rate)
             print(f"round {round_} {name}: {rate:.2f} tok/s; {what}", flush=True)
