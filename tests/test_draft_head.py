@@ -10,12 +10,11 @@ import torch
 
 from conftest import FAST_FORMAT
 from laws import accept_all, exact_two_token_law, law_matches, two_token_frequencies
-from verispec.drafters import make_drafter
+from verispec.drafters import draft_head, make_drafter
 from verispec.drafters.batch_head import BatchedDraftHead
-from verispec.drafters import draft_head
 from verispec.drafters.draft_head import DraftHead, HeadLayer, attend_cached, load_head, output_rows, save_head
-from verispec.models.attention import kernels_available
 from verispec.engine import GenerationConfig, SpeculativeEngine
+from verispec.models.attention import kernels_available
 from verispec.models.transformer import PREFILL_CHUNK
 from verispec.sampling import SamplingParams
 from verispec.core import step as step_module

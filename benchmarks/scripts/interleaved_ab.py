@@ -60,7 +60,6 @@ def closed_loop(
     outputs = [[token for event in handle.iter_events() for token in event.token_ids] for handle in handles]
     chunks = [step.chunk_tokens for step in steps if step.chunk_tokens]
     rows = statistics.mean(len(step.rows) for step in steps) if steps else 0.0
-    drafting = sum(any(row.drafted for row in step.rows) for step in steps)
     # Steps that drafted nowhere and carried no prompt, at the full batch: what they cost beyond their forward.
     plain_steps = [step for step in steps if not step.chunk_tokens and len(step.rows) == clients
                    and not any(row.drafted for row in step.rows)]
@@ -68,15 +67,16 @@ def closed_loop(
               f"{statistics.median(s.forward_seconds for s in plain_steps) * 1e3:.1f} ms, beyond it p50 "
               f"{statistics.median(s.seconds - s.forward_seconds for s in plain_steps) * 1e3:.2f} ms"
               if plain_steps else "")
-    drafted = [row for step in steps for row in step.rows if row.drafted]
-    head_rows = [row for row in drafted if row.source == "draft-head"]
+    drafting_steps = [step for step in steps if any(row.drafted for row in step.rows)]
+    drafted = [row for step in drafting_steps for row in step.rows if row.drafted]
+    by_head = sum(row.source == "draft-head" for row in drafted)
     drafts = (f"; drafting rows: {statistics.mean(r.drafted for r in drafted):.2f} drafted, "
-              f"{statistics.mean(r.accepted for r in drafted):.2f} accepted ({len(head_rows)} by the head); "
-              f"drafting steps: draft p50 {statistics.median(sum(s.draft_seconds.values()) for s in steps if any(r.drafted for r in s.rows)) * 1e3:.1f} ms, "
-              f"forward p50 {statistics.median(s.forward_seconds for s in steps if any(r.drafted for r in s.rows)) * 1e3:.1f} ms"
+              f"{statistics.mean(r.accepted for r in drafted):.2f} accepted ({by_head} by the head); drafting steps: "
+              f"draft p50 {statistics.median(sum(s.draft_seconds.values()) for s in drafting_steps) * 1e3:.1f} ms, "
+              f"forward p50 {statistics.median(s.forward_seconds for s in drafting_steps) * 1e3:.1f} ms"
               if drafted else "")
-    what = (f"{len(steps)} steps ({drafting} drafting), {rows:.1f} rows on average, {len(chunks)} prompt chunks "
-            f"(median {statistics.median(chunks) if chunks else 0} tokens){beyond}{drafts}")
+    what = (f"{len(steps)} steps ({len(drafting_steps)} drafting), {rows:.1f} rows on average, {len(chunks)} "
+            f"prompt chunks (median {statistics.median(chunks) if chunks else 0} tokens){beyond}{drafts}")
     return sum(map(len, outputs)) / seconds, outputs, what
 
 

@@ -368,9 +368,9 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     """Each new position's attention over its row's cache up to its own slot: q (B, H, T, D) in the cache's dtype,
     keys and values (B, H, S, D), slots (B, T). Returns (B, H, T, D).
 
-    verispec's attention kernel, where it runs, attends each query over just the slots it sees; torch's masked
-    bfloat16 attention costs 3-11x that on an AMD Zen 4 (1 to 16 rows, 300 to 1500 keys:
-    benchmarks/results/zen4/head-attention), and a float32 copy of the keys costs more still at many rows.
+    verispec's attention kernel, where it runs, attends each query over just the slots it sees; with torch's masked
+    bfloat16 attention instead, a head draft position cost 1.25-3.7x as much on an AMD Zen 4 (1 to 16 rows, 256 to
+    1500 cached tokens: benchmarks/results/zen4/head-attention).
     """
     if attention_kernel_runs(q.shape[-1], q.dtype):
         return torch.ops.verispec.attend(q, keys, values, slots + 1)  # counts: slots 0 .. slot
