@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -24,6 +26,17 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog.\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
 ] * 20
+
+
+BENCHMARK_SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """benchmarks/scripts/<name>.py loaded as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARK_SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_tokenizer(directory: Path):

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-INDEX_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "index.py"
-
-
-def load_index():
-    spec = importlib.util.spec_from_file_location("benchmarks_index", INDEX_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import benchmark_script
 
 
 def test_every_run_json_follows_the_schema_and_the_index_is_current(capsys):
-    index = load_index()
+    index = benchmark_script("index")
     assert index.runs(), "no run.json found under benchmarks/"
     assert index.main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_the_check_finds_a_run_json_that_breaks_the_schema(tmp_path):
-    index = load_index()
+    index = benchmark_script("index")
     run = json.loads(index.runs()[0].read_text())
     problems = index.check(index.runs()[0], run)
     assert problems == []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import benchmark_script
 from verispec.replay import K_MAX, Costs, load_traces, speedup
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -53,16 +54,6 @@ def test_one_client_keeps_nearly_all_of_the_best_fixed_ks_gain(kind, traces, ord
     assert auto - 1 >= 0.95 * (best - 1), f"auto {auto:.3f}x plain, best fixed k {best:.3f}x"
 
 
-def _tree_pricing():
-    import importlib.util
-
-    path = RESULTS.parent / "scripts" / "tree_pricing.py"
-    spec = importlib.util.spec_from_file_location("tree_pricing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("kind", KINDS, ids=label)
 def test_no_kind_pays_for_token_trees_over_the_heads_guesses(kind):
     """The engine verifies chains only (issue 48 item 3): on every recorded kind's costs, the head's best static tree
@@ -70,7 +61,7 @@ def test_no_kind_pays_for_token_trees_over_the_heads_guesses(kind):
     pass is flat enough for trees to pay more fails here: then trees are worth building for it."""
     import json
 
-    pricing = _tree_pricing()
+    pricing = benchmark_script("tree_pricing")
     shapes = json.loads(pricing.SHAPES.read_text())
     for workload, speedups in pricing.priced(Costs.from_json(kind), shapes).items():
         (chain, x_chain), (tree, x_tree) = pricing.best(speedups, "chain"), pricing.best(speedups, "tree")

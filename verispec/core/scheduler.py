@@ -94,7 +94,7 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 <= draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never stop a draft early), got {draft_p_min}")
+            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never end a draft early), got {draft_p_min}")
         for name in ("max_batch_size", "max_waiting", "max_context"):
             if getattr(limits, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
