@@ -31,9 +31,10 @@ CORPUS = [
 BENCHMARK_SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
 
 
-def benchmark_script(name: str) -> ModuleType:
-    """benchmarks/scripts/<name>.py loaded as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARK_SCRIPTS / f"{name}.py")
+def benchmark_script(name: str, folder: str = "scripts") -> ModuleType:
+    """benchmarks/<folder>/<name>.py loaded as a module (the scripts are not a package)."""
+    path = BENCHMARK_SCRIPTS.parent / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

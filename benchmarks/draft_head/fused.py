@@ -57,15 +57,17 @@ from study import (  # noqa: E402
     time_forward, training_pairs,
 )
 
-from verispec.drafters.draft_head import DraftHead, rms  # noqa: E402
+from verispec.drafters.draft_head import DraftHead, loaded_tensors, rms  # noqa: E402
 
 HEAD_WORK = Path("/root/.cache/verispec/head-work")
 LAYERS = (2, 14, 25)  # hidden states after this many of the target's 28 layers: low, mid, high
 SETS = ["eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-chat",
         "train-chat-self", "train-text"]  # tapped in this order (train-text last: the one cut if time is short)
-ARMS = {  # arm -> (fused features, training-time test depth, loss)
-    "baseline": (False, 1, "study"), "fused-ttt": (True, 3, "ce"), "fused": (True, 1, "ce"),
-    "last-ttt": (False, 3, "ce"),
+NUM_LAYERS = 28
+WARM_LAYERS = (2, 14, NUM_LAYERS)  # a fused head that can start as a last-layer head (fuse passes `high` on)
+ARMS = {  # arm -> (the layers it fuses, or () for the last layer's state; training-time test depth; loss)
+    "baseline": ((), 1, "study"), "fused-ttt": (LAYERS, 3, "ce"), "fused": (LAYERS, 1, "ce"),
+    "last-ttt": ((), 3, "ce"), "warm-fused-ttt": (WARM_LAYERS, 3, "ce"),
 }
 
 
@@ -178,13 +180,42 @@ def cmd_tap(args) -> None:
 
 
 def make_head(arm: str, loaded, vocab: torch.Tensor, intermediate: int = 4096) -> DraftHead:
-    """A fused arm's head reads LAYERS through DraftHead's own fuse (EAGLE-3's fc3, starting as `high` passed on):
-    the engine drafts with such a head as saved (feature_layers), the same math."""
+    """A fused arm's head reads its layers through DraftHead's own fuse (EAGLE-3's fc3, starting as `high` passed
+    on): the engine drafts with such a head as saved (feature_layers), the same math."""
     if not ARMS[arm][0]:
         return build_head(loaded, vocab, intermediate)
     model, config = loaded.model, loaded.model.config
     return DraftHead(model.embed.float(), model.final_norm.float(), model.lm_head.weight.float(), vocab,
-                     config.num_heads, intermediate, config.rope_theta, feature_layers=LAYERS)
+                     config.num_heads, intermediate, config.rope_theta, feature_layers=ARMS[arm][0])
+
+
+def head_file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A head file's tensors (int8 matrices back in float32) and its vocabulary."""
+    from safetensors.torch import load_file
+
+    return loaded_tensors(load_file(str(path)))
+
+
+def warm_head(arm: str, loaded, path: Path) -> DraftHead:
+    """An arm's head starting from the head file `path` (its vocabulary, width and weights). A fused arm over a
+    last-layer head's file starts with fuse passing the last layer on, the other layers' columns zero: it drafts
+    as the file's head does until training moves it (its last layer must be the target's last)."""
+    tensors = head_file_tensors(path)
+    head = make_head(arm, loaded, tensors["vocab"].long(), tensors["gate_up"].shape[0] // 2)
+    mine = head.trained_tensors()
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name != "vocab":
+                mine[name].copy_(tensor)
+        if head.feature_layers and "fuse" not in tensors:
+            last = loaded.model.config.num_layers
+            if head.feature_layers[-1] != last:
+                raise ValueError(f"{arm} reads layers {head.feature_layers}: a last-layer head starts only a fused "
+                                 f"head whose last layer is the target's last ({last})")
+            width = head.fuse.weight.shape[0]
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -width:].copy_(torch.eye(width))
+    return head
 
 
 def arm_rows(arm: str, work: Path, names: list[str]) -> list[dict]:
@@ -193,6 +224,9 @@ def arm_rows(arm: str, work: Path, names: list[str]) -> list[dict]:
     rows = []
     for name in names:
         tapped = torch.load(work / f"{name}.pt")
+        if tapped and "features" in tapped[0]:  # --work is study.py collect's: last features, early{L} states
+            rows.extend(study_rows(tapped, ARMS[arm][0]))
+            continue
         if ARMS[arm][0]:
             rows.extend(tapped)
             continue
@@ -201,6 +235,18 @@ def arm_rows(arm: str, work: Path, names: list[str]) -> list[dict]:
             assert torch.equal(mine["ids"], theirs["ids"]), name
         rows.extend({k: r[k] for k in ("ids", "features", "argmax", "answer_start")} for r in stored)
     return rows
+
+
+def study_rows(rows: list[dict], layers: tuple[int, ...]) -> list[dict]:
+    """study.py collect's rows (collected with --early-layers holding each of `layers` but the last) as an arm reads
+    them: low, mid and high the states after `layers` (the last layer's: the stored features, not copied)."""
+    out = []
+    for row in rows:
+        kept = {key: row[key] for key in ("ids", "features", "argmax", "answer_start")}
+        for name, layer in zip(("low", "mid", "high"), layers):
+            kept[name] = row["features"] if layer == NUM_LAYERS else row[f"early{layer}"]
+        out.append(kept)
+    return out
 
 
 def step0_features(head: DraftHead, arm: str, row_or_batch: dict) -> torch.Tensor:
@@ -296,8 +342,13 @@ def cmd_train(args) -> None:
     loaded = load_model(TARGET)  # dense: the embedding, final norm and output head, as study.cmd_train
     names = args.sets or [name for name in SETS if name.startswith("train-") and (work / f"{name}.pt").exists()]
     rows = arm_rows(args.arm, work, names)
-    vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)  # the same rows, the same ids for every arm
-    head = make_head(args.arm, loaded, vocab)
+    if args.init:  # go on from a head file: its vocabulary and weights
+        head = warm_head(args.arm, loaded, Path(args.init))
+        vocab = head.vocab
+        log(f"starting from {args.init}")
+    else:
+        vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)  # the same rows, the same ids for every arm
+        head = make_head(args.arm, loaded, vocab)
     index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
     del loaded  # the head holds its own copies of the embedding, norm and head rows: 3 GB less (two arms at once)
@@ -330,6 +381,7 @@ def cmd_train(args) -> None:
                     "steps": step, "positions": seen, "real_positions": real_seen, "epochs": epoch,
                     "passes": real_seen / tokens, "minutes": args.minutes, "train_positions": tokens, "lr": args.lr,
                     "batch": args.batch, "threads": args.threads, "sets": names, "last_50_steps_top1_by_step": top1,
+                    "init": args.init, "intermediate": head.down.weight.shape[1],
                     "final": final, "elapsed_minutes": (time.perf_counter() - started) / 60},
                    work / f"{args.tag or args.arm}.pt")
     while time.perf_counter() < deadline:
@@ -429,7 +481,7 @@ def draft_chains(head: DraftHead, g: torch.Tensor, ids: torch.Tensor, answer_sta
 
 def trained(arm_file: Path, loaded) -> tuple[DraftHead, dict]:
     saved = torch.load(arm_file)
-    head = make_head(saved["arm"], loaded, saved["vocab"])
+    head = make_head(saved["arm"], loaded, saved["vocab"], saved.get("intermediate", 4096))
     head.load_state_dict(saved["state"])
     return head.eval(), saved
 
@@ -441,8 +493,12 @@ def cmd_evaluate(args) -> None:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    head, saved = trained(work / f"{args.tag or args.arm}.pt", load_model(TARGET))
-    arm = saved["arm"]
+    if args.head:  # a head file as it is (the shipped head: the arms' starting point), read as --arm reads
+        head, saved = warm_head(args.arm, load_model(TARGET), Path(args.head)).eval(), {"head": args.head}
+        arm = args.arm
+    else:
+        head, saved = trained(work / f"{args.tag or args.arm}.pt", load_model(TARGET))
+        arm = saved["arm"]
     results = {"arm": arm, "training": {k: v for k, v in saved.items() if k not in ("state", "vocab")},
                "depth": args.depth, "workloads": {}}
     for name in ("humaneval", "chat", "code-edit"):
@@ -513,6 +569,26 @@ def cmd_cost(args) -> None:
     (out / "cost.json").write_text(json.dumps(rounded(results), indent=1) + "\n")
 
 
+def cmd_export(args) -> None:
+    """A trained arm as a head file (study.cmd_export's: --ship makes it the head verispec ships for the target)."""
+    from verispec.bench.machine import machine_line
+    from verispec.drafters.draft_head import SHIPPED_HEADS, built_head_path, save_head, ship_head
+    from verispec.models.loading import load_model
+
+    head, saved = trained(Path(args.work) / f"{args.tag}.pt", load_model(TARGET))
+    about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
+    about["recipe"] = "benchmarks/draft_head/fused.py"
+    about["machine"] = machine_line()
+    if args.ship:
+        out = SHIPPED_HEADS / f"{TARGET}.safetensors"
+        save_head(head, out, TARGET, about, args.weights)
+        ship_head(out, TARGET, {**about, "weights": args.weights})
+    else:
+        out = Path(args.out) if args.out else built_head_path(TARGET)
+        save_head(head, out, TARGET, about, args.weights)
+    log(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -532,19 +608,30 @@ def main() -> None:
     train.add_argument("--step-decay", type=float, default=0.8, help="TTT step j's loss weight: this ** j")
     train.add_argument("--save-every", type=float, default=20, metavar="MINUTES",
                        help="save the head so far this often (0: only at the end)")
+    train.add_argument("--init", default=None, metavar="HEAD_FILE",
+                       help="start from this head file (its vocabulary and weights), e.g. the shipped head")
     evaluate = commands.add_parser("evaluate")
     evaluate.add_argument("--arm", choices=sorted(ARMS), required=True)
     evaluate.add_argument("--out", required=True)
     evaluate.add_argument("--depth", type=int, default=6)
+    evaluate.add_argument("--head", default=None, metavar="HEAD_FILE",
+                          help="evaluate this head file (read as --arm's head) instead of a trained checkpoint")
     cost = commands.add_parser("cost")
     cost.add_argument("--out", required=True)
-    for command in (tap, train, evaluate, cost):
+    export = commands.add_parser("export")
+    export.add_argument("--out", default=None, help="a .safetensors path; default where `make head` puts it")
+    export.add_argument("--ship", action="store_true", help="replace the head verispec ships for the target")
+    export.add_argument("--weights", choices=("float32", "int8"), default="int8")
+    for command in (tap, train, evaluate, cost, export):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=1)
-    for command in (train, evaluate, cost):
+    for command in (train, evaluate, cost, export):
         command.add_argument("--tag", default=None, help="the checkpoint's name in --work (default: the arm's)")
     args = parser.parse_args()
-    {"tap": cmd_tap, "train": cmd_train, "evaluate": cmd_evaluate, "cost": cmd_cost}[args.command](args)
+    if args.command == "export" and not args.tag:
+        parser.error("export needs --tag: the trained checkpoint (<work>/<tag>.pt) to write as a head file")
+    commands_run = {"tap": cmd_tap, "train": cmd_train, "evaluate": cmd_evaluate, "cost": cmd_cost, "export": cmd_export}
+    commands_run[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""benchmarks/draft_head/fused.py's warm start (issue 48): a fused head started from a last-layer head's file drafts as
+that head does, and training-time test moves the fuse's columns of the layers that head never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import benchmark_script
+from test_draft_head import trainable_head
+from verispec.drafters.draft_head import save_head
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return benchmark_script("fused", folder="draft_head")
+
+
+def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_trained(fused, target, tmp_path,
+                                                                                    monkeypatch):
+    layers = (0, 1, target.model.config.num_layers)  # low, mid, high: the last layer's state is the file's feature
+    monkeypatch.setitem(fused.ARMS, "warm-fused-ttt", (layers, 3, "ce"))
+    path = tmp_path / "head.safetensors"
+    save_head(trainable_head(target, seed=3, vocab=torch.arange(0, target.model.vocab_size, 2)), path, target.name)
+    last = fused.warm_head("last-ttt", target, path)
+    warm = fused.warm_head("warm-fused-ttt", target, path)
+    assert torch.equal(warm.vocab, last.vocab) and warm.feature_layers == layers
+    width = target.model.embed.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, len(layers) * width, generator=generator)  # (B, T, 3 C): low, mid, high
+    next_ids = torch.randint(0, target.model.vocab_size, (2, 12), generator=generator)
+    with torch.no_grad():
+        expected = last.logits(last(last.target_features(hidden[..., -width:]), next_ids))
+        started = warm.logits(warm(warm.target_features(hidden), next_ids))
+    torch.testing.assert_close(started, expected, atol=1e-4, rtol=1e-4)
+
+    row = {"ids": next_ids[0], "argmax": next_ids[1], "answer_start": 0, "features": hidden[0, :, -width:]}
+    row |= {name: hidden[0, :, i * width : (i + 1) * width] for i, name in enumerate(("low", "mid"))}
+    row["high"] = row["features"]
+    windows = fused.chain_windows([row], depth=2)
+    batch = fused.chain_batch([row], windows, "warm-fused-ttt", depth=2)
+    index = torch.full((target.model.vocab_size,), -100, dtype=torch.long)
+    index[warm.vocab] = torch.arange(len(warm.vocab))
+    results = fused.ttt_losses(warm, "warm-fused-ttt", batch, 2, index)
+    assert len(results) == 2 and all(counted > 0 for _, _, counted, _ in results)
+    sum(loss for loss, *_ in results).backward()
+    assert warm.fuse.weight.grad[:, :-width].abs().sum() > 0  # the layers the file's head never read get a gradient
+
+
+def test_a_fused_head_whose_last_layer_is_not_the_targets_last_is_not_started_from_a_last_layer_head(
+        fused, target, tmp_path, monkeypatch):
+    monkeypatch.setitem(fused.ARMS, "warm-fused-ttt", ((0, 1, 1), 3, "ce"))
+    path = tmp_path / "head.safetensors"
+    save_head(trainable_head(target, seed=3), path, target.name)
+    with pytest.raises(ValueError, match="whose last layer is the target's last"):
+        fused.warm_head("warm-fused-ttt", target, path)
