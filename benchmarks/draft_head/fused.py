@@ -15,7 +15,12 @@ over the same 32768 ids), trained for the same wall time at one thread, side by 
   true x_{t+1+j}) at rotary position t+j and attends to step 0's keys causally up to t plus steps 1..j's keys at the
   same t only (EAGLE-3/HASS's mask: step 0 as causal attention, the chain part as per-position dot products);
   the loss at step j is on the target's argmax at t+1+j;
-- ablations (--arm): **fused** (fused features, CE, no TTT) and **last-ttt** (last-layer feature, CE, TTT).
+- ablations (--arm): **fused** (fused features, CE, no TTT) and **last-ttt** (last-layer feature, CE, TTT);
+- **warm-fused-ttt**: fused-ttt's recipe over the states after layers 2, 14 and 28 (the last: the feature a
+  last-layer head reads), started (`train --init HEAD_FILE`) from a trained last-layer head such as the shipped
+  one: fuse passes the last layer on and the others' columns start at zero, so it starts drafting exactly as that
+  head drafts, and training-time test goes on from there. It reads study.py collect's rows directly (--work a
+  head-work collected with --early-layers 2 14); no tap needed.
 
 Drafting (evaluate) is as the head would draft: the target's true features up to the verified position t, then
 the head's own output and its own greedy draft fed back, depth 6; alpha by position and tokens per forward at
@@ -33,7 +38,15 @@ stored last features and argmax.
     python benchmarks/draft_head/fused.py evaluate --work /root/.cache/verispec/fused-work --arm ARM --out DIR
     python benchmarks/draft_head/fused.py cost --work /root/.cache/verispec/fused-work --tag fused-ttt --out DIR
 
-Everything runs at --threads 1 (default). Checkpoints stay in --work (ARM.pt).
+Everything runs at --threads 1 (default). Checkpoints stay in --work (ARM.pt, or TAG.pt). Warm-started, then
+written as a head file (`export --ship` makes it the one verispec ships, as study.py export --ship does):
+
+    python benchmarks/draft_head/study.py collect --work $W --early-layers 2 14 [--more]
+    python benchmarks/draft_head/fused.py train --work $W --arm warm-fused-ttt --tag warm \
+        --init verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors --minutes 55 --lr 3e-4 --threads 2
+    python benchmarks/draft_head/fused.py evaluate --work $W --arm warm-fused-ttt --tag warm --out DIR
+    python benchmarks/draft_head/fused.py evaluate --work $W --arm warm-fused-ttt --head HEAD_FILE --out DIR
+    python benchmarks/draft_head/fused.py export --work $W --tag warm [--out FILE | --ship]
 """
 
 from __future__ import annotations
@@ -340,7 +353,7 @@ def cmd_train(args) -> None:
     fused_arm, depth, loss_kind = ARMS[args.arm]
     depth = args.ttt or depth
     loaded = load_model(TARGET)  # dense: the embedding, final norm and output head, as study.cmd_train
-    names = args.sets or [name for name in SETS if name.startswith("train-") and (work / f"{name}.pt").exists()]
+    names = args.sets or sorted(path.stem for path in work.glob("train-*.pt"))  # every set there, as study.py
     rows = arm_rows(args.arm, work, names)
     if args.init:  # go on from a head file: its vocabulary and weights
         head = warm_head(args.arm, loaded, Path(args.init))
@@ -604,7 +617,7 @@ def main() -> None:
     train.add_argument("--batch", type=int, default=8)
     train.add_argument("--lr", type=float, default=5e-4)
     train.add_argument("--ce-weight", type=float, default=0.1, help="baseline: study.py's CE weight")
-    train.add_argument("--sets", nargs="*", default=None, help="default: every train-* tapped")
+    train.add_argument("--sets", nargs="*", default=None, help="default: every train-* in --work")
     train.add_argument("--step-decay", type=float, default=0.8, help="TTT step j's loss weight: this ** j")
     train.add_argument("--save-every", type=float, default=20, metavar="MINUTES",
                        help="save the head so far this often (0: only at the end)")

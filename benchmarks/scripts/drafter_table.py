@@ -61,7 +61,17 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=list(DRAFTERS),
+                        help="these rows only (default: every one)")
+    parser.add_argument("--head", action="append", default=[], metavar="LABEL=FILE",
+                        help="a row more: the draft head in this file (e.g. one trained beside the shipped one)")
     args = parser.parse_args()
+    rows = {label: DRAFTERS[label] for label in args.drafters}
+    for entry in args.head:
+        label, _, path = entry.rpartition("=")
+        if not label or not path.endswith(".safetensors") or not Path(path).is_file():
+            parser.error(f"--head {entry!r}: give LABEL=FILE, FILE an existing head file (.safetensors)")
+        rows[label] = ("draft-model", path, "full")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +84,7 @@ def main() -> None:
     log("plain decoding done")
     results = {"target": DEFAULT_TARGET, "target_format": target.format.label, "k": args.k, "limit": args.limit,
                "drafters": {}}
-    for label, (kind, draft, vocab) in DRAFTERS.items():
+    for label, (kind, draft, vocab) in rows.items():
         drafter = make_drafter(kind, target, draft, vocab=vocab)
         model = getattr(drafter, "model", None)
         cost = None
