@@ -257,6 +257,9 @@ def study_rows(rows: list[dict], layers: tuple[int, ...]) -> list[dict]:
     for row in rows:
         kept = {key: row[key] for key in ("ids", "features", "argmax", "answer_start")}
         for name, layer in zip(("low", "mid", "high"), layers):
+            if layer != NUM_LAYERS and f"early{layer}" not in row:
+                raise SystemExit(f"these rows lack the states after layer {layer}: collect them again with study.py "
+                                 f"collect --early-layers {' '.join(map(str, layers[:-1]))} (into an empty --work)")
             kept[name] = row["features"] if layer == NUM_LAYERS else row[f"early{layer}"]
         out.append(kept)
     return out
@@ -592,6 +595,9 @@ def cmd_export(args) -> None:
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     about["recipe"] = "benchmarks/draft_head/fused.py"
     about["machine"] = machine_line()
+    shipped = json.loads((SHIPPED_HEADS / "heads.json").read_text()).get(TARGET)
+    if shipped and saved.get("init") and Path(saved["init"]).resolve() == (SHIPPED_HEADS / shipped["file"]).resolve():
+        about["started_from"] = {"sha256": shipped["sha256"], "trained": shipped["trained"]}  # the head it went on from
     if args.ship:
         out = SHIPPED_HEADS / f"{TARGET}.safetensors"
         save_head(head, out, TARGET, about, args.weights)

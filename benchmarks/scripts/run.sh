@@ -200,7 +200,8 @@ defaults() {  # the machine matrix (issue 29): own plain against `verispec serve
     # From a clean format-choices.json unless KEEP_CHOICES=1; llama.cpp plain beside them where `make peers` built it.
     # DEFAULTS_OUT names the folder; DEFAULTS_CONCURRENCY the client levels; DEFAULTS_REQUESTS the requests per level;
     # DEFAULTS_WORKLOADS the workloads (names, or JSONL files under benchmarks/workloads/ by their stem);
-    # DEFAULTS_PEERS=0 leaves llama.cpp out.
+    # DEFAULTS_PEERS=0 leaves llama.cpp out; DEFAULTS_HEAD_BEFORE=FILE adds the defaults with that head file in the
+    # shipped head's place (the head shipped before: git show COMMIT:verispec/data/heads/<target>.safetensors > FILE).
     local out=${DEFAULTS_OUT:-$R/defaults}
     [ "${KEEP_CHOICES:-0}" = 1 ] || rm -f "${VERISPEC_CACHE:-$HOME/.cache/verispec}/format-choices.json"
     local S="--threads 2 --max-batch-size 16 --max-context 2048"
@@ -208,17 +209,20 @@ defaults() {  # the machine matrix (issue 29): own plain against `verispec serve
     local llama=()
     [ "${DEFAULTS_PEERS:-1}" = 1 ] && [ -x $P/.llama.cpp/bin/llama-server ] && llama=(--server llama.cpp-plain=http://127.0.0.1:8704/v1
         --start "llama.cpp-plain=SLOTS=16 $P/serve_llama_cpp.sh plain 8704")
+    local before=()
+    [ -n "${DEFAULTS_HEAD_BEFORE:-}" ] && before=(--server verispec-head-before=http://127.0.0.1:8703/v1
+        --start "verispec-head-before=$V serve --draft $DEFAULTS_HEAD_BEFORE --port 8703 $S")
     for workload in ${DEFAULTS_WORKLOADS:-humaneval chat}; do
         local source=$workload
         [ -f benchmarks/workloads/$workload.jsonl ] && source=benchmarks/workloads/$workload.jsonl
         $V bench-serve \
             --server verispec-plain=http://127.0.0.1:8701/v1 --start "verispec-plain=$V serve --drafter none --port 8701 $S" \
             --server verispec-defaults=http://127.0.0.1:8702/v1 --start "verispec-defaults=$V serve --port 8702 $S" \
-            "${llama[@]}" --workload $source --limit 16 $L --out $out/$workload || true
+            "${before[@]}" "${llama[@]}" --workload $source --limit 16 $L --out $out/$workload || true
     done
     stamp $out "DEFAULTS_OUT=$out DEFAULTS_CONCURRENCY=${DEFAULTS_CONCURRENCY:-1,4,16} \
 DEFAULTS_REQUESTS=${DEFAULTS_REQUESTS:-4,8,16} DEFAULTS_WORKLOADS='${DEFAULTS_WORKLOADS:-humaneval chat}' \
-DEFAULTS_PEERS=${DEFAULTS_PEERS:-1} \
+DEFAULTS_PEERS=${DEFAULTS_PEERS:-1} ${DEFAULTS_HEAD_BEFORE:+DEFAULTS_HEAD_BEFORE=$DEFAULTS_HEAD_BEFORE }\
 KEEP_CHOICES=${KEEP_CHOICES:-0} bash benchmarks/scripts/run.sh defaults"
 }
 
