@@ -171,7 +171,7 @@ def test_the_step_hands_the_head_each_committed_positions_hidden_state(request, 
         assert echoed >= 0.9 * len(generated), f"{echoed} of {len(generated)} first drafts echo the newest token"
 
 
-@pytest.mark.parametrize("k, fused", [(3, False), ("auto", False), (3, True)])
+@pytest.mark.parametrize("k, fused", [(3, False), ("auto", False), (3, True), ("auto", True)])
 def test_greedy_output_is_plain_decodings_in_the_library_and_the_server(target, tmp_path, k, fused):
     plain = plain_tokens(target)
     drafter = make_drafter("draft-model", target, head_file(target, tmp_path, seed=3, fused=fused))

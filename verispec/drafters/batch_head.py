@@ -173,7 +173,8 @@ class BatchedDraftHead(ChainDrafter):
         head = self.model
         row, positions = 0, min(256, self.keys.shape[2] - 1)
         self._clear(row, 0)
-        features = torch.randn(1, positions, head.feature_width, dtype=head.dtype)
+        features = torch.randn(1, positions, head.feature_width, dtype=head.dtype)  # the target's: fused ones wider
+        drafted = torch.randn(1, 1, head.width)  # (1, 1, C) the head's own normalized prediction, as a draft feeds it
         ids = torch.randint(0, len(head.vocab), (1, positions))
         timings = {"position": [], "catch_up": []}
         for _ in range(repeats):
@@ -183,7 +184,7 @@ class BatchedDraftHead(ChainDrafter):
             timings["catch_up"].append((time.perf_counter() - started) / positions)
             self.written[row] = positions - 1
             started = time.perf_counter()
-            head.logits(self._step(row, row + 1, features[:, :1], ids[:, :1], normalized=True)[:, -1])
+            head.logits(self._step(row, row + 1, drafted, ids[:, :1], normalized=True)[:, -1])
             timings["position"].append(time.perf_counter() - started)
         self._clear(row, 0)
         return tuple(sorted(t)[len(t) // 2] for t in (timings["position"], timings["catch_up"]))
