@@ -39,38 +39,31 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
 # The draft head `--draft head` loads, for the default target: the recipe of the head verispec ships
-# (benchmarks/results/xeon/shipped-head, then benchmarks/results/zen4/warm-fused-head). benchmarks/draft_head/study.py
-# collects the target's own greedy answers to the training prompts (none of the measured ones) and 100k tokens of
-# standard-library text teacher-forced through it, trains HEAD_MINUTES on this CPU, then has the target write and
-# answer about 600 questions of its own and trains 20 more minutes from there: a last-layer head (EAGLE-1's shape).
-# benchmarks/draft_head/fused.py then goes on from it for HEAD_TTT_MINUTES with EAGLE-3's recipe: the hidden states
-# after layers 2, 14 and 28 fused, and training-time test over 3 draft positions. About 2 h 40 on 2 cores; each step's
-# output is kept in HEAD_WORK (about 10 KB a position, a few GB), so a rerun picks up where it stopped. HEAD_MORE=1
-# adds sampled answers, 120 more chat questions and 200k more text tokens before the first training (about 3 h more).
+# (benchmarks/results/xeon/shipped-head). benchmarks/draft_head/study.py collects the target's own greedy answers to
+# the training prompts (none of the measured ones) and 100k tokens of standard-library text teacher-forced through
+# it, trains HEAD_MINUTES on this CPU, then has the target write and answer about 600 questions of its own and
+# trains 20 more minutes from there. About 2 h on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so
+# a rerun picks up where it stopped. HEAD_MORE=1 adds sampled answers, 120 more chat questions and 200k more text
+# tokens before the first training (about 3 h more; run 4 of benchmarks/results/xeon/draft-head, on another Xeon,
+# had chat's first guess pass 55% of the time with them, against the shipped head's 48%).
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_MINUTES ?= 40
-HEAD_TTT_MINUTES ?= 35
 HEAD_MORE ?= 0
-HEAD_LAYERS = --early-layers 2 14
 head: models
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) $(HEAD_LAYERS) --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --early-layers --threads $(THREADS)
 	if [ "$(HEAD_MORE)" = 1 ]; then \
-		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more $(HEAD_LAYERS) --threads $(THREADS) && \
+		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS) && \
 		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
-			$(HEAD_LAYERS) --threads $(THREADS); fi
+			--early-layers --threads $(THREADS); fi
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 $(HEAD_LAYERS) --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 --early-layers --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --init --minutes 20 --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --out $(HEAD_WORK)/last-layer-head.safetensors \
-		--threads $(THREADS)
-	$(PY) benchmarks/draft_head/fused.py train --work $(HEAD_WORK) --arm warm-fused-ttt --tag warm \
-		--init $(HEAD_WORK)/last-layer-head.safetensors --minutes $(HEAD_TTT_MINUTES) --lr 1e-4 --threads $(THREADS)
-	$(PY) benchmarks/draft_head/fused.py export --work $(HEAD_WORK) --tag warm --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS)
 
 # The head `make head` trained, as the one verispec ships for the default target (verispec/data/heads, its sha256 in
 # heads.json, checked at load): it replaces the file shipped before. Commit both files.
 ship-head: models
-	$(PY) benchmarks/draft_head/fused.py export --work $(HEAD_WORK) --tag warm --ship --weights int8 --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --ship --weights int8
 
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
 # benchmarks/results/<this machine's kind>/; then `make tables`.
