@@ -43,7 +43,7 @@ written as a head file (`export --ship` makes it the one verispec ships, as stud
 
     python benchmarks/draft_head/study.py collect --work $W --early-layers 2 14 [--more]
     python benchmarks/draft_head/fused.py train --work $W --arm warm-fused-ttt --tag warm \
-        --init verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors --minutes 55 --lr 3e-4 --threads 2
+        --init verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors --minutes 35 --lr 1e-4 --threads 2
     python benchmarks/draft_head/fused.py evaluate --work $W --arm warm-fused-ttt --tag warm --out DIR
     python benchmarks/draft_head/fused.py evaluate --work $W --arm warm-fused-ttt --head HEAD_FILE --out DIR
     python benchmarks/draft_head/fused.py export --work $W --tag warm [--out FILE | --ship]
@@ -70,7 +70,7 @@ from study import (  # noqa: E402
     time_forward, training_pairs,
 )
 
-from verispec.drafters.draft_head import DraftHead, loaded_tensors, rms  # noqa: E402
+from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
 
 HEAD_WORK = Path("/root/.cache/verispec/head-work")
 LAYERS = (2, 14, 25)  # hidden states after this many of the target's 28 layers: low, mid, high
@@ -588,14 +588,14 @@ def cmd_cost(args) -> None:
 def cmd_export(args) -> None:
     """A trained arm as a head file (study.cmd_export's: --ship makes it the head verispec ships for the target)."""
     from verispec.bench.machine import machine_line
-    from verispec.drafters.draft_head import SHIPPED_HEADS, built_head_path, save_head, ship_head
+    from verispec.drafters.draft_head import SHIPPED_HEADS, SHIPPED_MANIFEST, built_head_path, save_head, ship_head
     from verispec.models.loading import load_model
 
     head, saved = trained(Path(args.work) / f"{args.tag}.pt", load_model(TARGET))
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     about["recipe"] = "benchmarks/draft_head/fused.py"
     about["machine"] = machine_line()
-    shipped = json.loads((SHIPPED_HEADS / "heads.json").read_text()).get(TARGET)
+    shipped = json.loads((SHIPPED_HEADS / SHIPPED_MANIFEST).read_text()).get(TARGET)
     if shipped and saved.get("init") and Path(saved["init"]).resolve() == (SHIPPED_HEADS / shipped["file"]).resolve():
         about["started_from"] = {"sha256": shipped["sha256"], "trained": shipped["trained"]}  # the head it went on from
     if args.ship:
@@ -640,7 +640,7 @@ def main() -> None:
     export = commands.add_parser("export")
     export.add_argument("--out", default=None, help="a .safetensors path; default where `make head` puts it")
     export.add_argument("--ship", action="store_true", help="replace the head verispec ships for the target")
-    export.add_argument("--weights", choices=("float32", "int8"), default="int8")
+    export.add_argument("--weights", choices=HEAD_WEIGHTS, default="int8")
     for command in (tap, train, evaluate, cost, export):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=1)
@@ -649,8 +649,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "export" and not args.tag:
         parser.error("export needs --tag: the trained checkpoint (<work>/<tag>.pt) to write as a head file")
-    commands_run = {"tap": cmd_tap, "train": cmd_train, "evaluate": cmd_evaluate, "cost": cmd_cost, "export": cmd_export}
-    commands_run[args.command](args)
+    run = {"tap": cmd_tap, "train": cmd_train, "evaluate": cmd_evaluate, "cost": cmd_cost, "export": cmd_export}
+    run[args.command](args)
 
 
 if __name__ == "__main__":
