@@ -67,7 +67,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
     TARGET, WINDOW, build_head, greedy_steps, head_cost, head_vocab, log, padded_batch, position_acceptance,
-    time_forward, training_pairs,
+    time_forward, training_pairs, write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -588,7 +588,7 @@ def cmd_cost(args) -> None:
 def cmd_export(args) -> None:
     """A trained arm as a head file (study.cmd_export's: --ship makes it the head verispec ships for the target)."""
     from verispec.bench.machine import machine_line
-    from verispec.drafters.draft_head import SHIPPED_HEADS, SHIPPED_MANIFEST, built_head_path, save_head, ship_head
+    from verispec.drafters.draft_head import SHIPPED_HEADS, SHIPPED_MANIFEST
     from verispec.models.loading import load_model
 
     head, saved = trained(Path(args.work) / f"{args.tag}.pt", load_model(TARGET))
@@ -598,14 +598,7 @@ def cmd_export(args) -> None:
     shipped = json.loads((SHIPPED_HEADS / SHIPPED_MANIFEST).read_text()).get(TARGET)
     if shipped and saved.get("init") and Path(saved["init"]).resolve() == (SHIPPED_HEADS / shipped["file"]).resolve():
         about["started_from"] = {"sha256": shipped["sha256"], "trained": shipped["trained"]}  # the head it went on from
-    if args.ship:
-        out = SHIPPED_HEADS / f"{TARGET}.safetensors"
-        save_head(head, out, TARGET, about, args.weights)
-        ship_head(out, TARGET, {**about, "weights": args.weights})
-    else:
-        out = Path(args.out) if args.out else built_head_path(TARGET)
-        save_head(head, out, TARGET, about, args.weights)
-    log(f"wrote {out}")
+    write_head(head, about, args)
 
 
 def main() -> None:

@@ -840,7 +840,13 @@ def cmd_export(args) -> None:
     about = {key: value for key, value in saved.items() if key not in ("state", "vocab")}
     about["data"] = sorted(path.stem for path in Path(args.work).glob("train-*.pt"))  # what train read
     about["machine"] = machine_line()
-    if args.ship:  # the head verispec ships for the target, in place of the one shipped before
+    write_head(head, about, args)
+
+
+def write_head(head: DraftHead, about: dict, args) -> None:
+    """Save a trained head as a head file in args.weights: with args.ship the one verispec ships for the target (in
+    place of the one shipped before), else at args.out or where `make head` puts it."""
+    if args.ship:
         out = SHIPPED_HEADS / f"{TARGET}.safetensors"
         save_head(head, out, TARGET, about, args.weights)
         ship_head(out, TARGET, {**about, "weights": args.weights})
