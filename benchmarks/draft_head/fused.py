@@ -520,6 +520,7 @@ def cmd_evaluate(args) -> None:
     for name in ("humaneval", "chat", "code-edit"):
         rows = arm_rows(arm, work, [f"eval-{name}"])
         alphas, forwards, tokens = [], {k: 0 for k in range(1, args.depth + 1)}, 0
+        tried, right = [0] * args.depth, [0] * args.depth  # at step starts, chain --depth (the drafter table's)
         for row in rows:
             truth = row["ids"][row["answer_start"] :]
             with torch.no_grad():
@@ -527,13 +528,16 @@ def cmd_evaluate(args) -> None:
             drafts = draft_chains(head, g, row["ids"], row["answer_start"], args.depth)
             alphas.append((len(truth), position_acceptance(truth, drafts)))
             for k in forwards:
-                forwards[k] += greedy_steps(truth, drafts, k)[0]
+                forwards[k] += greedy_steps(truth, drafts, k, *((tried, right) if k == args.depth else ()))[0]
             tokens += len(truth)
         weight = sum(n for n, _ in alphas)
         per_position = [sum(n * a[d] for n, a in alphas if not math.isnan(a[d])) / weight for d in range(args.depth)]
+        at_steps = [r / t if t else float("nan") for r, t in zip(right, tried)]
         results["workloads"][name] = {"answer_tokens": tokens, "alpha_by_position": per_position,
+                                      f"alpha_by_position_at_steps_k{args.depth}": at_steps,
                                       "tokens_per_forward": {k: tokens / f for k, f in forwards.items()}}
-        log(f"{arm} {name}: alpha {[round(a, 3) for a in per_position]}, tokens/forward "
+        log(f"{arm} {name}: alpha {[round(a, 3) for a in per_position]}, at step starts "
+            f"{[round(a, 3) for a in at_steps]}, tokens/forward "
             f"{ {k: round(tokens / f, 2) for k, f in forwards.items()} }")
     results["machine"] = machine_description()
     results["command"] = " ".join(sys.argv)

@@ -536,14 +536,23 @@ def chains(head: DraftHead, row: dict, depth: int) -> torch.Tensor:
     return unroll(head, row, depth, fed="draft")[0]
 
 
-def greedy_steps(truth: torch.Tensor, drafts: torch.Tensor, k: int) -> tuple[int, int]:
+def greedy_steps(truth: torch.Tensor, drafts: torch.Tensor, k: int,
+                 tried: list[int] | None = None, right: list[int] | None = None) -> tuple[int, int]:
     """Speculative decoding over the answer with chain k: (target forwards, tokens). truth: (N + 1,) answer ids
-    x_{first+1} .., drafts[i]: the chain after truth[i] was chosen."""
+    x_{first+1} .., drafts[i]: the chain after truth[i] was chosen. With tried and right (k zeros each), adds per
+    position d the steps that reached it and of those the ones right at it: acceptance as the engine's drafter
+    table counts it, at the positions where steps start (after a rejection or a whole chain), not at every one."""
     i, forwards, n = 0, 0, len(truth)
     while i < n:
         forwards += 1
         accepted = 0
-        while accepted < k and i + 1 + accepted < n and int(drafts[i, accepted]) == int(truth[i + 1 + accepted]):
+        while accepted < k and i + 1 + accepted < n:
+            if tried is not None:
+                tried[accepted] += 1
+            if int(drafts[i, accepted]) != int(truth[i + 1 + accepted]):
+                break
+            if right is not None:
+                right[accepted] += 1
             accepted += 1
         i += accepted + 1
     return forwards, n
@@ -712,12 +721,13 @@ def cmd_evaluate(args) -> None:
         depth = args.depth
         alphas, forwards, tokens = [], {k: 0 for k in range(1, depth + 1)}, 0
         skip = {}
+        tried, right = [0] * depth, [0] * depth  # at step starts, chain `depth` (the drafter table's count)
         for row in rows:
             truth = row["ids"][row["answer_start"] :]
             drafts = chains(head, row, depth)
             alphas.append((len(truth), position_acceptance(truth, drafts)))
             for k in forwards:
-                f, n = greedy_steps(truth, drafts, k)
+                f, n = greedy_steps(truth, drafts, k, *((tried, right) if k == depth else ()))
                 forwards[k] += f
             tokens += len(truth)
             for key in row:
@@ -737,6 +747,7 @@ def cmd_evaluate(args) -> None:
         results["workloads"][name] = {
             "answer_tokens": tokens,
             "alpha_by_position": per_position,
+            f"alpha_by_position_at_steps_k{depth}": [r / t if t else float("nan") for r, t in zip(right, tried)],
             "tokens_per_forward": {k: tokens / f for k, f in forwards.items()},
             "layer_skip_first_position": {layer: hits / count for layer, (hits, count) in sorted(skip.items())},
         }
