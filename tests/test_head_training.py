@@ -1,19 +1,27 @@
 """benchmarks/draft_head/fused.py's warm start (issue 48): a fused head started from a last-layer head's file drafts as
-that head does, and training-time test moves the fuse's columns of the layers that head never read."""
+that head does, and training-time test moves the fuse's columns of the layers that head never read. study.py's
+acceptance at step starts (the engine's count) and a head file over another output vocabulary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import benchmark_script
 from test_draft_head import trainable_head
-from verispec.drafters.draft_head import save_head
+
+from verispec.drafters.draft_head import load_head, save_head
 
 
 @pytest.fixture(scope="module")
 def fused():
     return benchmark_script("fused", folder="draft_head")
+
+
+@pytest.fixture(scope="module")
+def study():
+    return benchmark_script("study", folder="draft_head")
 
 
 def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_trained(fused, target, tmp_path,
@@ -54,3 +62,42 @@ def test_a_fused_head_whose_last_layer_is_not_the_targets_last_is_not_started_fr
     save_head(trainable_head(target, seed=3), path, target.name)
     with pytest.raises(ValueError, match="whose last layer is the target's last"):
         fused.warm_head("warm-fused-ttt", target, path)
+
+
+def test_greedy_steps_count_acceptance_where_steps_start_not_at_every_position(study):
+    truth = torch.tensor([10, 11, 12, 13, 14, 15])  # x_{first+1} ..
+    drafts = torch.tensor([  # the chain of 2 after each truth[i]
+        [11, 99],  # step 1 starts here: one accepted, the second rejected
+        [12, 13],  # right, but no step starts here
+        [77, 14],  # step 2: rejected at once
+        [14, 15],  # step 3: both accepted, the end
+        [15, 0],
+        [0, 0],
+    ])
+    tried, right = [0, 0], [0, 0]
+    assert study.greedy_steps(truth, drafts, 2, tried, right) == (3, 6)
+    assert (tried, right) == ([3, 2], [2, 1])
+    assert study.position_acceptance(truth, drafts)[0] == pytest.approx(4 / 5)  # every position: not the engine's
+
+
+def test_a_head_file_over_another_vocabulary_drafts_the_same_feature_over_those_rows(study, target, tmp_path):
+    path, pruned_path = tmp_path / "head.safetensors", tmp_path / "pruned.safetensors"
+    vocab_size = target.model.vocab_size
+    save_head(trainable_head(target, seed=5, vocab=torch.arange(0, vocab_size, 2)), path, target.name, weights="int8")
+    kept = torch.arange(0, vocab_size, 6)  # a third of the file's rows
+    about = study.with_vocab(path, kept, pruned_path, {"from": path.name})
+    assert about["vocab"] == {"size": len(kept), "from": path.name} and about["weights"] == "int8"
+    original, pruned = load_file(str(path)), load_file(str(pruned_path))
+    assert torch.equal(pruned.pop("vocab"), kept) and original.pop("vocab").numel() == vocab_size // 2
+    assert pruned.keys() == original.keys() and all(torch.equal(pruned[n], original[n]) for n in original)
+
+    full, cut = study.file_head(target, path), study.file_head(target, pruned_path)
+    width = target.model.embed.shape[1]
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 9, width, generator=generator)
+    next_ids = torch.randint(0, vocab_size, (1, 9), generator=generator)
+    with torch.no_grad():
+        full_logits = full.logits(full(full.target_features(features), next_ids))  # (1, 9, V/2)
+        cut_logits = cut.logits(cut(cut.target_features(features), next_ids))  # (1, 9, V/6)
+    torch.testing.assert_close(cut_logits, full_logits[..., ::3])  # target id 6j is the file's row 3j
+    assert torch.equal(load_head(str(pruned_path), target).vocab, kept)  # the engine drafts over the kept rows

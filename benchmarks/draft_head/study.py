@@ -385,11 +385,33 @@ def trained_head(work: Path, loaded, strict: bool = False) -> tuple[DraftHead, d
     return head, saved
 
 
-def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+def vocab_ranking(rows: list[dict], vocab_size: int) -> torch.Tensor:
+    """Every target id (vocab_size,), the ones the target chose most often in `rows` first (ties: lower id first)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for row in rows:
         counts += torch.bincount(row["argmax"], minlength=vocab_size)[:vocab_size]
-    return counts.argsort(descending=True)[:size].sort().values
+    return counts.argsort(descending=True, stable=True)
+
+
+def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The head's vocabulary: the `size` ids the target chose most often in `rows`, sorted by id."""
+    return vocab_ranking(rows, vocab_size)[:size].sort().values
+
+
+def file_head(loaded, path: Path, vocab: torch.Tensor | None = None) -> DraftHead:
+    """A last-layer head file (int8 matrices back in float32) as a DraftHead over the dense target `loaded`, over
+    its own vocabulary or `vocab`: the head predicts a feature, so any set of the target's output rows drafts."""
+    from safetensors.torch import load_file
+
+    tensors = loaded_tensors(load_file(str(path)))
+    if "fuse" in tensors:
+        raise SystemExit(f"{path} is a fused head: read it with fused.py")
+    head = build_head(loaded, tensors["vocab"].long() if vocab is None else vocab, tensors["gate_up"].shape[0] // 2)
+    with torch.no_grad():
+        for name, parameter in head.trained_tensors().items():
+            if name != "vocab":
+                parameter.copy_(tensors[name])
+    return head.eval()
 
 
 def cmd_train(args) -> None:
@@ -762,6 +784,101 @@ def cmd_evaluate(args) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
+def with_vocab(source: Path, vocab: torch.Tensor, out: Path, note: dict) -> dict:
+    """Write the head file `source` over another output vocabulary (target ids, sorted) to `out` (which may be
+    `source`): its tensors byte for byte, its metadata with about["vocab"] = note + the size. Returns about, with the
+    file's weights."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    stored = {name: tensor.clone() for name, tensor in load_file(str(source)).items()}
+    with safe_open(str(source), "pt") as opened:
+        metadata = dict(opened.metadata())
+    about = json.loads(metadata.get("about", "{}"))
+    about["vocab"] = {"size": len(vocab), **note}
+    metadata["about"] = json.dumps(about)
+    stored["vocab"] = vocab.to(stored["vocab"].dtype)
+    save_file({name: tensor.contiguous() for name, tensor in stored.items()}, str(out), metadata=metadata)
+    return {**about, "weights": metadata.get("weights", "float32")}
+
+
+def cmd_vocab(args) -> None:
+    """The head file's drafts over output vocabularies of other sizes (the ids the target chose most often in
+    --work's train-* rows; its trained weights unchanged): acceptance on the measured answers, a draft position's
+    cost and the target's verify forwards timed side by side, and the speed-up over plain each predicts; with
+    --write SIZE, the head file over that vocabulary (--ship: as the head verispec ships)."""
+    from safetensors.torch import load_file
+
+    from verispec.bench.machine import machine_description
+    from verispec.models.loading import load_model
+
+    if not args.write and not args.out:
+        raise SystemExit("vocab: --out results.json is needed to measure (or --write SIZE to write a head file)")
+    work = Path(args.work)
+    torch.set_num_threads(args.threads)
+    dense = load_model(TARGET)
+    rows = load_rows(work, sorted(path.stem for path in work.glob("train-*.pt")))
+    if not rows:
+        raise SystemExit(f"no train-* rows in {work}: run `study.py collect --work {work}` first")
+    ranking = vocab_ranking(rows, dense.model.vocab_size)
+    del rows
+    source = Path(args.head)
+    if args.write:
+        out = SHIPPED_HEADS / f"{TARGET}.safetensors" if args.ship else Path(args.out or built_head_path(TARGET))
+        ranked_by = sorted(path.stem for path in work.glob("train-*.pt"))
+        vocab = ranking[: args.write].sort().values
+        about = with_vocab(source, vocab, out, {"from": source.name, "ranked_by": ranked_by})
+        if args.ship:
+            ship_head(out, TARGET, about)
+        log(f"wrote {out}: {args.write} output rows")
+        return
+    served = load_model(TARGET, quantize="auto")
+    target = served.model
+    cache = target.new_cache(1, 256 + 16)
+    target.prefill(list(range(1000, 1256)), cache)
+    verify_ms = {k: time_forward(lambda k=k: target.forward(torch.tensor([[42] * (k + 1)]), cache), 15) * 1e3
+                 for k in range(0, args.depth + 1)}  # the target's forward over k drafts and the token before them
+    results = {"head": str(source), "verify_ms": verify_ms, "sizes": {}}
+    own_vocab = load_file(str(source))["vocab"]
+    for size in [0, *args.sizes]:  # 0: the file's own vocabulary
+        vocab = own_vocab.long() if size == 0 else ranking[:size].sort().values
+        head = file_head(dense, source, vocab)
+        cost = head_cost(head, target)
+        row = {"tokens": len(vocab), "head_ms": cost["head_ms"], "workloads": {}}
+        for name in ("humaneval", "chat", "code-edit"):
+            tried, right, forwards, tokens, inside = [0] * args.depth, [0] * args.depth, [0] * args.depth, 0, 0
+            for evaluated in torch.load(work / f"eval-{name}.pt"):
+                truth = evaluated["ids"][evaluated["answer_start"] :]
+                drafts = chains(head, evaluated, args.depth)
+                for k in range(1, args.depth + 1):
+                    forwards[k - 1] += greedy_steps(truth, drafts, k, *((tried, right) if k == args.depth else ()))[0]
+                tokens += len(truth)
+                inside += int(torch.isin(truth, vocab).sum())
+            per_forward = [tokens / f for f in forwards]
+            row["workloads"][name] = {
+                "covered": inside / tokens,
+                f"alpha_at_steps_k{args.depth}": [r / t for r, t in zip(right, tried)],
+                "tokens_per_forward": per_forward,
+                "speedup_by_k": [per_forward[k - 1] * verify_ms[0] / (verify_ms[k] + k * cost["head_ms"])
+                                 for k in range(1, args.depth + 1)],
+            }
+        if size == 0:  # DFlash's form on the cost side: k drafts in one forward of k rows, not k forwards of one
+            block_ms = [head_cost(head, target, rows=k)["head_ms"] for k in range(1, args.depth + 1)]
+            results["block_ms"] = block_ms
+            for w in row["workloads"].values():
+                w["speedup_by_k_if_one_forward"] = [w["tokens_per_forward"][k - 1] * verify_ms[0] /
+                                                    (verify_ms[k] + block_ms[k - 1]) for k in range(1, args.depth + 1)]
+        results["sizes"][str(size or "file")] = row
+        log(f"{len(vocab)} tokens: {cost['head_ms']:.2f} ms; " + "; ".join(
+            f"{name} first {w[f'alpha_at_steps_k{args.depth}'][0]:.3f} best x{max(w['speedup_by_k']):.3f}"
+            for name, w in row["workloads"].items()))
+    results["machine"] = machine_description()
+    results["command"] = " ".join(sys.argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def cmd_price(args) -> None:
     """Markdown rows: each run's chain k priced from whole forwards timed side by side (tree-potential's run.json:
     the target's forward by new tokens) and the head's measured cost, against a plain step; forwards alone, no
@@ -903,6 +1020,14 @@ def main() -> None:
     price = commands.add_parser("price")
     price.add_argument("runs", nargs="+", help="results.json of evaluate runs")
     price.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
+    vocab = commands.add_parser("vocab", help="the head file over output vocabularies of other sizes, priced")
+    vocab.add_argument("--head", default=str(SHIPPED_HEADS / f"{TARGET}.safetensors"), help="a last-layer head file")
+    vocab.add_argument("--sizes", type=int, nargs="+", default=[8192, 12288, 16384, 24576, 32768, 49152, 65536])
+    vocab.add_argument("--depth", type=int, default=4, help="chains of 1..depth; acceptance at step starts at depth")
+    vocab.add_argument("--out", default=None, help="results.json; with --write: the head file (default: make head's)")
+    vocab.add_argument("--write", type=int, default=0, metavar="SIZE",
+                       help="write the head file over the SIZE most chosen ids instead of measuring")
+    vocab.add_argument("--ship", action="store_true", help="with --write: as the head verispec ships, replacing it")
     trees = commands.add_parser("trees", help="token trees over the head's guesses, priced (issue 31 item 3)")
     trees.add_argument("--out", required=True)
     trees.add_argument("--depth", type=int, default=6)
@@ -913,7 +1038,7 @@ def main() -> None:
         command.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price,
-                "export": cmd_export, "trees": cmd_trees}
+                "export": cmd_export, "trees": cmd_trees, "vocab": cmd_vocab}
     commands[args.command](args)
 
 
