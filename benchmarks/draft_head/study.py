@@ -1033,7 +1033,7 @@ def main() -> None:
     trees.add_argument("--depth", type=int, default=6)
     trees.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 9, 11, 15])
     trees.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
-    for command in (collect, train, evaluate, export, trees):
+    for command in (collect, train, evaluate, export, trees, vocab):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
