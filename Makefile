@@ -45,8 +45,11 @@ test-fast: install
 # trains 20 more minutes from there. About 2 h on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so
 # a rerun picks up where it stopped. HEAD_MORE=1 adds sampled answers, 120 more chat questions and 200k more text
 # tokens before the first training (about 3 h more; run 4 of benchmarks/results/xeon/draft-head, on another Xeon,
-# had chat's first guess pass 55% of the time with them, against the shipped head's 48%).
+# had chat's first guess pass 55% of the time with them, against the shipped head's 48%). The head file drafts over
+# the HEAD_VOCAB ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows cost a draft
+# position 57% of 32,768's on a Zen 4, at the same acceptance).
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
+HEAD_VOCAB ?= 16384
 HEAD_MINUTES ?= 40
 HEAD_MORE ?= 0
 head: models
@@ -58,12 +61,13 @@ head: models
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 --early-layers --threads $(THREADS)
 	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --init --minutes 20 --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --vocab-rows $(HEAD_VOCAB)
 
 # The head `make head` trained, as the one verispec ships for the default target (verispec/data/heads, its sha256 in
 # heads.json, checked at load): it replaces the file shipped before. Commit both files.
 ship-head: models
-	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --ship --weights int8
+	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --ship --weights int8 \
+		--vocab-rows $(HEAD_VOCAB)
 
 # The committed benchmarks (see benchmarks/README.md); about 75 minutes on 2 cores. Results land in
 # benchmarks/results/<this machine's kind>/; then `make tables`.

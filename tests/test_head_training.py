@@ -4,8 +4,12 @@ acceptance at step starts (the engine's count) and a head file over another outp
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import benchmark_script
@@ -101,3 +105,17 @@ def test_a_head_file_over_another_vocabulary_drafts_the_same_feature_over_those_
         cut_logits = cut.logits(cut(cut.target_features(features), next_ids))  # (1, 9, V/6)
     torch.testing.assert_close(cut_logits, full_logits[..., ::3])  # target id 6j is the file's row 3j
     assert torch.equal(load_head(str(pruned_path), target).vocab, kept)  # the engine drafts over the kept rows
+
+
+def test_export_writes_the_head_over_the_ids_the_target_chose_most_in_the_training_rows(study, target, tmp_path):
+    chosen = torch.tensor([7, 3, 7, 9, 7, 3, 1, 3, 7, 3, 9, 0])  # 7 and 3 four times, 9 twice, 1 and 0 once
+    torch.save([{"argmax": chosen[:6]}], tmp_path / "train-a.pt")
+    torch.save([{"argmax": chosen[6:]}], tmp_path / "train-b.pt")
+    torch.save([{"argmax": torch.tensor([5, 5, 5, 5, 5])}], tmp_path / "eval-a.pt")  # measured rows rank nothing
+    out = tmp_path / "head.safetensors"
+    args = argparse.Namespace(ship=False, out=str(out), weights="int8", vocab_rows=3, work=str(tmp_path))
+    study.write_head(trainable_head(target, seed=2), {"minutes": 1}, args)
+    assert load_file(str(out))["vocab"].tolist() == [3, 7, 9]
+    with safe_open(str(out), "pt") as opened:
+        about = json.loads(opened.metadata()["about"])
+    assert about == {"minutes": 1, "vocab": {"size": 3, "ranked_by": ["train-a", "train-b"], "from": "its training's"}}

@@ -393,6 +393,16 @@ def vocab_ranking(rows: list[dict], vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True, stable=True)
 
 
+def training_ranking(work: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
+    """vocab_ranking over work's train-* rows (the ids the target chose most first), and a note of what ranked them:
+    `ranking[:size].sort().values` is an output vocabulary for a head file."""
+    names = sorted(path.stem for path in work.glob("train-*.pt"))
+    if not names:
+        raise SystemExit(f"no train-* rows in {work}: run `study.py collect --work {work}` first")
+    counted = [{"argmax": row["argmax"]} for name in names for row in torch.load(work / f"{name}.pt", mmap=True)]
+    return vocab_ranking(counted, vocab_size), {"ranked_by": names}
+
+
 def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The head's vocabulary: the `size` ids the target chose most often in `rows`, sorted by id."""
     return vocab_ranking(rows, vocab_size)[:size].sort().values
@@ -817,17 +827,11 @@ def cmd_vocab(args) -> None:
     work = Path(args.work)
     torch.set_num_threads(args.threads)
     dense = load_model(TARGET)
-    rows = load_rows(work, sorted(path.stem for path in work.glob("train-*.pt")))
-    if not rows:
-        raise SystemExit(f"no train-* rows in {work}: run `study.py collect --work {work}` first")
-    ranking = vocab_ranking(rows, dense.model.vocab_size)
-    del rows
     source = Path(args.head)
+    ranking, note = training_ranking(work, dense.model.vocab_size)
     if args.write:
         out = SHIPPED_HEADS / f"{TARGET}.safetensors" if args.ship else Path(args.out or built_head_path(TARGET))
-        ranked_by = sorted(path.stem for path in work.glob("train-*.pt"))
-        vocab = ranking[: args.write].sort().values
-        about = with_vocab(source, vocab, out, {"from": source.name, "ranked_by": ranked_by})
+        about = with_vocab(source, ranking[: args.write].sort().values, out, {**note, "from": source.name})
         if args.ship:
             ship_head(out, TARGET, about)
         log(f"wrote {out}: {args.write} output rows")
@@ -973,14 +977,16 @@ def cmd_export(args) -> None:
 
 def write_head(head: DraftHead, about: dict, args) -> None:
     """Save a trained head as a head file in args.weights: with args.ship the one verispec ships for the target (in
-    place of the one shipped before), else at args.out or where `make head` puts it."""
+    place of the one shipped before), else at args.out or where `make head` puts it. With args.vocab_rows N, over
+    the N ids the target chose most in args.work's rows instead of the vocabulary it trained over (see vocab)."""
+    out = SHIPPED_HEADS / f"{TARGET}.safetensors" if args.ship else Path(args.out or built_head_path(TARGET))
+    save_head(head, out, TARGET, about, args.weights)
+    about = {**about, "weights": args.weights}
+    if getattr(args, "vocab_rows", 0):
+        ranking, note = training_ranking(Path(args.work), len(head.embed))
+        about = with_vocab(out, ranking[: args.vocab_rows].sort().values, out, {**note, "from": "its training's"})
     if args.ship:
-        out = SHIPPED_HEADS / f"{TARGET}.safetensors"
-        save_head(head, out, TARGET, about, args.weights)
-        ship_head(out, TARGET, {**about, "weights": args.weights})
-    else:
-        out = Path(args.out) if args.out else built_head_path(TARGET)
-        save_head(head, out, TARGET, about, args.weights)
+        ship_head(out, TARGET, about)
     log(f"wrote {out}")
 
 
@@ -1013,6 +1019,8 @@ def main() -> None:
     export.add_argument("--out", default=None, help="a .safetensors path; default where `make head` puts it")
     export.add_argument("--ship", action="store_true",
                         help="as the head verispec ships (verispec/data/heads, sha256 in heads.json), replacing it")
+    export.add_argument("--vocab-rows", type=int, default=0, metavar="N",
+                        help="over the N ids the target chose most in --work's rows (see vocab), not its training's")
     for command in (evaluate, export):
         command.add_argument("--weights", choices=HEAD_WEIGHTS, default="float32",
                              help="the head file's storage (int8: per-row int8 matrices, a quarter of the bytes); "
