@@ -1,7 +1,7 @@
 """A draft head over the target's own hidden states (EAGLE-style): its data, training and measurement (issue 31).
 
-`make head` runs collect, train, collect --self-chat, train --init and export (HEAD_MORE=1: collect --more and more text
-first): the head `--draft head` loads (verispec.drafters.draft_head).
+`make head` runs collect, train, collect --self-chat, train --init and export --vocab-rows (HEAD_MORE=1: collect --more
+and more text first): the head `--draft head` loads (verispec.drafters.draft_head).
 
 The question: can a drafter that costs <= 0.15 of a target forward be accepted often enough to pay on these
 CPUs? Candidates measured here, both over the target's own last-layer features so that none needs a model of
@@ -32,6 +32,7 @@ float32 with bfloat16 autocast, on windows padded to the longest of their batch 
     python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20  # --init: go on from head.pt
     python benchmarks/draft_head/study.py evaluate --work /tmp/draft-head --out benchmarks/results/xeon/draft-head
     python benchmarks/draft_head/study.py export --work /tmp/draft-head   # to where --draft head finds it
+    python benchmarks/draft_head/study.py vocab --work /tmp/draft-head --out /tmp/vocab.json  # output rows, priced
 """
 
 from __future__ import annotations
