@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from conftest import benchmark_script
 from test_draft_head import trainable_head
-
 from verispec.drafters.draft_head import load_head, save_head
 
 
