@@ -66,8 +66,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, WINDOW, build_head, greedy_steps, head_cost, head_vocab, log, padded_batch, position_acceptance,
-    time_forward, training_pairs, write_head,
+    TARGET, WINDOW, ChainTally, build_head, head_cost, head_vocab, log, padded_batch, time_forward, training_pairs,
+    write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -519,26 +519,20 @@ def cmd_evaluate(args) -> None:
                "depth": args.depth, "workloads": {}}
     for name in ("humaneval", "chat", "code-edit"):
         rows = arm_rows(arm, work, [f"eval-{name}"])
-        alphas, forwards, tokens = [], {k: 0 for k in range(1, args.depth + 1)}, 0
-        tried, right = [0] * args.depth, [0] * args.depth  # at step starts, chain --depth (the drafter table's)
+        tally = ChainTally(args.depth)
         for row in rows:
             truth = row["ids"][row["answer_start"] :]
             with torch.no_grad():
                 g = step0_features(head, arm, row)
-            drafts = draft_chains(head, g, row["ids"], row["answer_start"], args.depth)
-            alphas.append((len(truth), position_acceptance(truth, drafts)))
-            for k in forwards:
-                forwards[k] += greedy_steps(truth, drafts, k, *((tried, right) if k == args.depth else ()))[0]
-            tokens += len(truth)
-        weight = sum(n for n, _ in alphas)
-        per_position = [sum(n * a[d] for n, a in alphas if not math.isnan(a[d])) / weight for d in range(args.depth)]
-        at_steps = [r / t if t else float("nan") for r, t in zip(right, tried)]
-        results["workloads"][name] = {"answer_tokens": tokens, "alpha_by_position": per_position,
+            tally.add(truth, draft_chains(head, g, row["ids"], row["answer_start"], args.depth))
+        per_position, at_steps = tally.alpha_by_position(), tally.alpha_at_steps()
+        per_forward = tally.tokens_per_forward()
+        results["workloads"][name] = {"answer_tokens": tally.tokens, "alpha_by_position": per_position,
                                       f"alpha_by_position_at_steps_k{args.depth}": at_steps,
-                                      "tokens_per_forward": {k: tokens / f for k, f in forwards.items()}}
+                                      "tokens_per_forward": per_forward}
         log(f"{arm} {name}: alpha {[round(a, 3) for a in per_position]}, at step starts "
             f"{[round(a, 3) for a in at_steps]}, tokens/forward "
-            f"{ {k: round(tokens / f, 2) for k, f in forwards.items()} }")
+            f"{ {k: round(v, 2) for k, v in per_forward.items()} }")
     results["machine"] = machine_description()
     results["command"] = " ".join(sys.argv)
     (out / "results.json").write_text(json.dumps(rounded(results), indent=1) + "\n")

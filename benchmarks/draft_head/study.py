@@ -607,6 +607,36 @@ def position_acceptance(truth: torch.Tensor, drafts: torch.Tensor) -> list[float
     return alphas
 
 
+class ChainTally:
+    """A head's greedy chains over answers, summed: target forwards for chains of k = 1..depth (greedy_steps), the
+    acceptance by position over every answer position (position_acceptance, weighted by answer length) and where
+    the chain of `depth`'s steps start (the engine's count)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth, self.tokens = depth, 0
+        self.forwards = {k: 0 for k in range(1, depth + 1)}
+        self.tried, self.right = [0] * depth, [0] * depth
+        self.alphas: list[tuple[int, list[float]]] = []  # (answer length, its alpha by position)
+
+    def add(self, truth: torch.Tensor, drafts: torch.Tensor) -> None:
+        """One answer: truth (N + 1,) its ids, drafts (N + 1, depth) the chain after each (see greedy_steps)."""
+        self.alphas.append((len(truth), position_acceptance(truth, drafts)))
+        for k in self.forwards:
+            tally = (self.tried, self.right) if k == self.depth else ()
+            self.forwards[k] += greedy_steps(truth, drafts, k, *tally)[0]
+        self.tokens += len(truth)
+
+    def tokens_per_forward(self) -> dict[int, float]:
+        return {k: self.tokens / f for k, f in self.forwards.items()}
+
+    def alpha_by_position(self) -> list[float]:
+        weight = sum(n for n, _ in self.alphas)
+        return [sum(n * a[d] for n, a in self.alphas if not math.isnan(a[d])) / weight for d in range(self.depth)]
+
+    def alpha_at_steps(self) -> list[float]:
+        return [r / t if t else float("nan") for r, t in zip(self.right, self.tried)]
+
+
 @torch.no_grad()
 def tree_steps(ranks: torch.Tensor, tree: set[tuple[int, ...]]) -> tuple[int, int]:
     """Greedy speculative decoding over one answer with a static token tree, a prefix-closed set of rank paths
@@ -752,17 +782,10 @@ def cmd_evaluate(args) -> None:
     for name in ("humaneval", "chat", "code-edit"):
         rows = torch.load(work / f"eval-{name}.pt")
         depth = args.depth
-        alphas, forwards, tokens = [], {k: 0 for k in range(1, depth + 1)}, 0
-        skip = {}
-        tried, right = [0] * depth, [0] * depth  # at step starts, chain `depth` (the drafter table's count)
+        tally, skip = ChainTally(depth), {}
         for row in rows:
             truth = row["ids"][row["answer_start"] :]
-            drafts = chains(head, row, depth)
-            alphas.append((len(truth), position_acceptance(truth, drafts)))
-            for k in forwards:
-                f, n = greedy_steps(truth, drafts, k, *((tried, right) if k == depth else ()))
-                forwards[k] += f
-            tokens += len(truth)
+            tally.add(truth, chains(head, row, depth))
             for key in row:
                 if key.startswith("early"):
                     layer = int(key[5:])
@@ -775,17 +798,16 @@ def cmd_evaluate(args) -> None:
             hits = [first_position_agreement(draft.model, row) for row in rows]
             agreement = sum(h for h, _ in hits) / sum(n for _, n in hits)
             results.setdefault("draft_model_first_position", {})[name] = agreement
-        weight = sum(n for n, _ in alphas)
-        per_position = [sum(n * a[d] for n, a in alphas if not math.isnan(a[d])) / weight for d in range(depth)]
+        per_position, per_forward = tally.alpha_by_position(), tally.tokens_per_forward()
         results["workloads"][name] = {
-            "answer_tokens": tokens,
+            "answer_tokens": tally.tokens,
             "alpha_by_position": per_position,
-            f"alpha_by_position_at_steps_k{depth}": [r / t if t else float("nan") for r, t in zip(right, tried)],
-            "tokens_per_forward": {k: tokens / f for k, f in forwards.items()},
+            f"alpha_by_position_at_steps_k{depth}": tally.alpha_at_steps(),
+            "tokens_per_forward": per_forward,
             "layer_skip_first_position": {layer: hits / count for layer, (hits, count) in sorted(skip.items())},
         }
         log(f"{name}: alpha {[round(a, 2) for a in per_position]}, tokens/forward "
-            f"{ {k: round(tokens / f, 2) for k, f in forwards.items()} }")
+            f"{ {k: round(v, 2) for k, v in per_forward.items()} }")
     results["cost"] = head_cost(head, served.model)
     log(f"cost {results['cost']}")
     from verispec.bench.machine import machine_description
@@ -851,18 +873,15 @@ def cmd_vocab(args) -> None:
         cost = head_cost(head, target)
         row = {"tokens": len(vocab), "head_ms": cost["head_ms"], "workloads": {}}
         for name in ("humaneval", "chat", "code-edit"):
-            tried, right, forwards, tokens, inside = [0] * args.depth, [0] * args.depth, [0] * args.depth, 0, 0
+            tally, inside = ChainTally(args.depth), 0
             for evaluated in torch.load(work / f"eval-{name}.pt"):
                 truth = evaluated["ids"][evaluated["answer_start"] :]
-                drafts = chains(head, evaluated, args.depth)
-                for k in range(1, args.depth + 1):
-                    forwards[k - 1] += greedy_steps(truth, drafts, k, *((tried, right) if k == args.depth else ()))[0]
-                tokens += len(truth)
+                tally.add(truth, chains(head, evaluated, args.depth))
                 inside += int(torch.isin(truth, vocab).sum())
-            per_forward = [tokens / f for f in forwards]
+            per_forward = list(tally.tokens_per_forward().values())  # chains of 1..depth
             row["workloads"][name] = {
-                "covered": inside / tokens,
-                f"alpha_at_steps_k{args.depth}": [r / t for r, t in zip(right, tried)],
+                "covered": inside / tally.tokens,
+                f"alpha_at_steps_k{args.depth}": tally.alpha_at_steps(),
                 "tokens_per_forward": per_forward,
                 "speedup_by_k": [per_forward[k - 1] * verify_ms[0] / (verify_ms[k] + k * cost["head_ms"])
                                  for k in range(1, args.depth + 1)],
