@@ -19,7 +19,8 @@ a window, drawn at random each step, keep the block rows' share of the work smal
 `evaluate` drafts as an engine would: the true features up to the verified position t, then one block; the same
 weights' greedy chain beside it, and the starting head's chain. Acceptance is counted at step starts (the engine's
 count, study.ChainTally); the cost of k rows in one forward (study.head_cost) and the target's verify forwards are
-timed side by side, and each k's speed-up over plain predicted as study.py vocab predicts it.
+timed side by side, and each k's speed-up over plain predicted as study.py vocab predicts it. --rows train measures
+the same on answers it trained on (the first --limit of train-humaneval, train-chat and train-code-edit).
 
     python benchmarks/draft_head/block.py train --work ~/.cache/verispec/head-work --minutes 40
     python benchmarks/draft_head/block.py evaluate --work ~/.cache/verispec/head-work --out DIR
@@ -201,13 +202,14 @@ def cmd_evaluate(args) -> None:
                  for k in range(depth + 1)]  # the target's forward over k drafts and the token before them
     block_ms = [head_cost(drafter.head, target, rows=k)["head_ms"] for k in range(1, depth + 1)]
     chain_ms = head_cost(drafter.head, target)["head_ms"]  # one position; a chain of k pays k
-    results = {"training": {k: v for k, v in saved.items() if k != "state"}, "verify_ms": verify_ms,
+    results = {"training": {k: v for k, v in saved.items() if k != "state"}, "rows": args.rows,
+               "verify_ms": verify_ms,
                "block_ms_by_rows": block_ms, "chain_position_ms": chain_ms, "workloads": {}}
     drafters = {"block": lambda row: block_drafts(drafter, row),
                 "chain, same weights": lambda row: chains(drafter.head, row, depth),
                 "chain, starting head": lambda row: chains(start_head, row, depth)}
     for name in ("humaneval", "chat", "code-edit"):
-        rows = torch.load(work / f"eval-{name}.pt")
+        rows = torch.load(work / f"{args.rows}-{name}.pt")[: args.limit]
         measured = {}
         for form, draft in drafters.items():
             tally = ChainTally(depth)
@@ -247,6 +249,9 @@ def main() -> None:
     evaluate = commands.add_parser("evaluate")
     evaluate.add_argument("--out", required=True)
     evaluate.add_argument("--depth", type=int, default=4, help="for a head file given as --tag's checkpoint")
+    evaluate.add_argument("--rows", choices=("eval", "train"), default="eval",
+                          help="the measured prompts' answers, or the training prompts' (how far it generalizes)")
+    evaluate.add_argument("--limit", type=int, default=16, help="answers a workload")
     for command in (train, evaluate):
         command.add_argument("--work", required=True)
         command.add_argument("--tag", default="block")
