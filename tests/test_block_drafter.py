@@ -1,6 +1,6 @@
 """benchmarks/draft_head/block.py (issue 48): a block drafter's rows, computed for every anchor at once in training
 and evaluation, are what one causal pass over the true inputs up to the anchor and the block's rows gives; row 0 is
-the head's own first draft."""
+the head's own first draft. A block row's input is its depth's vector, or that added to row 0's input ("carry")."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def study():
     return benchmark_script("study", folder="draft_head")
 
 
-def drafter_and_row(block, target, depth: int = 4, length: int = 20):
+def drafter_and_row(block, target, depth: int = 4, length: int = 20, row_input: str = "mask"):
     head = trainable_head(target, seed=5).eval()
-    drafter = block.BlockDrafter(head, depth).eval()
+    drafter = block.BlockDrafter(head, depth, row_input).eval()
     generator = torch.Generator().manual_seed(1)
     width = target.model.embed.shape[1]
     with torch.no_grad():
@@ -38,14 +38,17 @@ def drafter_and_row(block, target, depth: int = 4, length: int = 20):
 def one_pass(drafter, features: torch.Tensor, next_ids: torch.Tensor, anchor: int, d: int) -> torch.Tensor:
     """Block row d at `anchor`, the slow way: one causal pass over the true inputs 0..anchor, then rows 1..d."""
     head = drafter.head
-    x = torch.cat([head.layer_input(features[: anchor + 1], next_ids[: anchor + 1]), drafter.masks[:d]])[None]
+    true = head.layer_input(features[: anchor + 1], next_ids[: anchor + 1])  # (anchor + 1, C)
+    rows = drafter.masks[:d] + (true[-1] if drafter.row_input == "carry" else 0)  # (d, C)
+    x = torch.cat([true, rows])[None]
     q, k, v = head.project(x, torch.arange(len(x[0])))
     return head.finish(x, F.scaled_dot_product_attention(q, k, v.float(), is_causal=True))[0, -1]
 
 
+@pytest.mark.parametrize("row_input", ["mask", "carry"])
 @torch.no_grad()
-def test_every_block_row_is_one_causal_pass_over_the_true_inputs_and_the_rows_before_it(block, target):
-    drafter, row = drafter_and_row(block, target)
+def test_every_block_row_is_one_causal_pass_over_the_true_inputs_and_the_rows_before_it(block, target, row_input):
+    drafter, row = drafter_and_row(block, target, row_input=row_input)
     features, next_ids = rms(row["features"][:-1]), row["ids"][1:]
     anchors = torch.tensor([0, 3, 7, 18])
     predicted = drafter(features[None], next_ids[None], anchors)

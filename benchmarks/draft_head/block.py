@@ -5,8 +5,8 @@ the layer is memory-bound: over k rows at once it costs about what one row costs
 head-vocab, section 4). A block drafter drafts all k positions in one forward, fed no draft of its own:
 
 - row 0 is the head's own first position: (f_t, x_{t+1}) at position t, the head's step as it drafts now;
-- rows d = 1..k-1 are a learned input per depth (`masks`, the layer's input in place of fc's output) at rotary
-  position t + d, scored against x_{t+2+d};
+- rows d = 1..k-1 are a learned input per depth (`masks`, the layer's input in place of fc's output; --row-input carry:
+  added to row 0's input) at rotary position t + d, scored against x_{t+2+d};
 - each row attends to the head's keys over the true positions up to t (causal, as the chain's first position) and
   to the block's rows before it (causal inside the block, so row 0 stays the chain's first position exactly).
 
@@ -47,12 +47,19 @@ from study import (  # noqa: E402
 from verispec.drafters.draft_head import SHIPPED_HEADS, DraftHead, rms  # noqa: E402
 
 
-class BlockDrafter(torch.nn.Module):
-    """A head (DraftHead) and the layer's input at block rows 1..depth-1 (`masks`, (depth-1, C))."""
+ROW_INPUTS = ("mask", "carry")  # a block row's input: its depth's vector alone, or added to row 0's input
 
-    def __init__(self, head: DraftHead, depth: int) -> None:
+
+class BlockDrafter(torch.nn.Module):
+    """A head (DraftHead) and the layer's input at block rows 1..depth-1: `masks` (depth-1, C) alone (row_input="mask"),
+    or each added to row 0's input, fc(f_t, x_{t+1}) (row_input="carry": every row reads the verified state
+    directly)."""
+
+    def __init__(self, head: DraftHead, depth: int, row_input: str = "mask") -> None:
         super().__init__()
-        self.head, self.depth = head, depth
+        if row_input not in ROW_INPUTS:
+            raise ValueError(f"row_input must be one of {ROW_INPUTS}, not {row_input!r}")
+        self.head, self.depth, self.row_input = head, depth, row_input
         self.masks = torch.nn.Parameter(torch.zeros(depth - 1, head.embed.shape[1]))
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, anchors: torch.Tensor) -> list[torch.Tensor]:
@@ -70,6 +77,8 @@ class BlockDrafter(torch.nn.Module):
         block_k, block_v = [], []
         for d in range(1, self.depth):
             xd = self.masks[d - 1].to(x.dtype).expand(B, len(anchors), -1)  # (B, A, C)
+            if self.row_input == "carry":
+                xd = xd + x[:, anchors]
             qd, kd, vd = head.project(xd, anchors + d)  # (B, H, A, D) each
             block_k.append(kd)
             block_v.append(vd.float())
@@ -86,7 +95,7 @@ def drafter_from(path: Path, dense, depth: int) -> tuple[BlockDrafter, dict]:
     """A block drafter: from a block.py checkpoint (.pt), or a head file's weights with its masks at zero."""
     if path.suffix == ".pt":
         saved = torch.load(path)
-        drafter = BlockDrafter(file_head(dense, Path(saved["init"])), saved["depth"])
+        drafter = BlockDrafter(file_head(dense, Path(saved["init"])), saved["depth"], saved.get("row_input", "mask"))
         drafter.load_state_dict(saved["state"])
         return drafter.eval(), saved
     return BlockDrafter(file_head(dense, path), depth).eval(), {"init": str(path)}
@@ -114,6 +123,7 @@ def cmd_train(args) -> None:
     torch.manual_seed(0)
     dense = load_model(TARGET)
     drafter, _ = drafter_from(Path(args.init), dense, args.depth)
+    drafter.row_input = args.row_input
     head = drafter.head
     vocab = head.vocab
     index = torch.full((dense.model.vocab_size,), -100, dtype=torch.long)
@@ -122,9 +132,10 @@ def cmd_train(args) -> None:
     pairs = training_pairs(load_rows(work, names))
     tokens = sum(len(p[1]) for p in pairs)
     log(f"{names}: {len(pairs)} windows, {tokens} positions; block of {args.depth}, {args.anchors} anchors a window")
-    with torch.no_grad():  # the block rows start from the layer's mean input over some windows
-        f, nxt, _, labels = padded_batch(pairs[:16])
-        drafter.masks.copy_(head.layer_input(f, nxt)[labels >= 0].mean(0).expand_as(drafter.masks))
+    if args.row_input == "mask":  # the block rows start from the layer's mean input over some windows (carry: from 0)
+        with torch.no_grad():
+            f, nxt, _, labels = padded_batch(pairs[:16])
+            drafter.masks.copy_(head.layer_input(f, nxt)[labels >= 0].mean(0).expand_as(drafter.masks))
     groups = [{"params": [p for n, p in drafter.named_parameters() if n != "masks"], "lr": args.lr},
               {"params": [drafter.masks], "lr": args.mask_lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
@@ -176,8 +187,8 @@ def cmd_train(args) -> None:
         epoch += 1
     last = history[-50:]
     top1 = [sum(h[d][0] for h in last) / max(1, sum(h[d][1] for h in last)) for d in range(args.depth)]
-    torch.save({"state": drafter.state_dict(), "init": args.init, "depth": args.depth, "steps": step,
-                "positions": seen, "epochs": epoch, "passes": seen / tokens, "minutes": args.minutes,
+    torch.save({"state": drafter.state_dict(), "init": args.init, "depth": args.depth, "row_input": args.row_input,
+                "steps": step, "positions": seen, "epochs": epoch, "passes": seen / tokens, "minutes": args.minutes,
                 "train_positions": tokens, "sets": names, "lr": args.lr, "mask_lr": args.mask_lr,
                 "batch": args.batch, "anchors": args.anchors, "ce_weight": args.ce_weight,
                 "block_weight": args.block_weight, "threads": args.threads, "last_50_steps_top1_by_row": top1},
@@ -239,6 +250,7 @@ def main() -> None:
     train = commands.add_parser("train")
     train.add_argument("--init", default=str(SHIPPED_HEADS / f"{TARGET}.safetensors"), help="a last-layer head file")
     train.add_argument("--depth", type=int, default=4, help="rows in a block: the chain of k it replaces")
+    train.add_argument("--row-input", choices=ROW_INPUTS, default="mask", help="a block row's input (BlockDrafter)")
     train.add_argument("--minutes", type=float, default=40)
     train.add_argument("--batch", type=int, default=8)
     train.add_argument("--anchors", type=int, default=64, help="blocks trained per window and step")
