@@ -118,3 +118,28 @@ def test_export_writes_the_head_over_the_ids_the_target_chose_most_in_the_traini
     with safe_open(str(out), "pt") as opened:
         about = json.loads(opened.metadata()["about"])
     assert about == {"minutes": 1, "vocab": {"size": 3, "ranked_by": ["train-a", "train-b"], "from": "its training's"}}
+
+
+def test_train_init_file_goes_on_from_a_head_files_weights_and_vocabulary(study, target, tiny_dir, tmp_path,
+                                                                         monkeypatch):
+    vocab_size = target.model.vocab_size
+    path = tmp_path / "shipped.safetensors"
+    save_head(trainable_head(target, seed=8, vocab=torch.arange(0, vocab_size, 3)), path, target.name,
+              about={"runs": [{"minutes": 40}]})
+    width = target.model.embed.shape[1]
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab_size, (40,), generator=generator)
+    torch.save([{"features": torch.randn(40, width, generator=generator).to(torch.bfloat16), "ids": ids,
+                 "argmax": torch.randint(0, vocab_size, (40,), generator=generator), "answer_start": 10}],
+               tmp_path / "train-a.pt")
+    monkeypatch.setattr(study, "TARGET", str(tiny_dir))
+    args = argparse.Namespace(work=str(tmp_path), threads=1, init=False, init_file=str(path), vocab=64,
+                              intermediate=32, lr=0.0, batch=2, minutes=0.02, ce_weight=0.1)
+    study.cmd_train(args)  # at lr 0: the file's weights, kept
+    saved = torch.load(tmp_path / "head.pt")
+    started = study.file_head(target, path)
+    assert torch.equal(saved["vocab"], started.vocab) and saved["intermediate"] == 96
+    assert saved["runs"][0] == {"from": path.name, "runs": [{"minutes": 40}]} and saved["steps"] >= 1
+    for name, tensor in started.state_dict().items():
+        if name in saved["state"]:
+            assert torch.equal(saved["state"][name], tensor), name

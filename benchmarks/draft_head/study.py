@@ -30,6 +30,7 @@ float32 with bfloat16 autocast, on windows padded to the longest of their batch 
 
     python benchmarks/draft_head/study.py collect --work /tmp/draft-head
     python benchmarks/draft_head/study.py train --work /tmp/draft-head --minutes 20  # --init: go on from head.pt
+    python benchmarks/draft_head/study.py train --work /tmp/draft-head --init-file HEAD_FILE  # go on from a head file
     python benchmarks/draft_head/study.py evaluate --work /tmp/draft-head --out benchmarks/results/xeon/draft-head
     python benchmarks/draft_head/study.py export --work /tmp/draft-head   # to where --draft head finds it
     python benchmarks/draft_head/study.py vocab --work /tmp/draft-head --out /tmp/vocab.json  # output rows, priced
@@ -425,6 +426,16 @@ def file_head(loaded, path: Path, vocab: torch.Tensor | None = None) -> DraftHea
     return head.eval()
 
 
+def head_file_training(path: Path) -> dict:
+    """What a head file's metadata says of its training (about: runs, data), for the record of a head trained on
+    from it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as opened:
+        about = json.loads((opened.metadata() or {}).get("about", "{}"))
+    return {key: about[key] for key in ("runs", "data") if key in about}
+
+
 def cmd_train(args) -> None:
     from verispec.models.loading import load_model
 
@@ -439,6 +450,11 @@ def cmd_train(args) -> None:
         vocab, args.intermediate = saved["vocab"], saved["intermediate"]
         log(f"going on from head.pt ({saved['minutes']} minutes, {saved['positions']} positions)")
         earlier_runs = saved.get("runs", [{k: saved[k] for k in ("minutes", "positions", "train_positions")}])
+    elif args.init_file:  # go on from a head file (the shipped one): its weights, vocabulary and width
+        head = file_head(loaded, Path(args.init_file)).train()
+        vocab, args.intermediate = head.vocab, head.down.weight.shape[1]
+        log(f"going on from {args.init_file}")
+        earlier_runs = [{"from": Path(args.init_file).name, **head_file_training(Path(args.init_file))}]
     else:
         vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
         head = build_head(loaded, vocab, args.intermediate)
@@ -1030,6 +1046,8 @@ def main() -> None:
     train.add_argument("--lr", type=float, default=5e-4)
     train.add_argument("--ce-weight", type=float, default=0.1)
     train.add_argument("--init", action="store_true", help="go on training the head in --work (head.pt)")
+    train.add_argument("--init-file", default=None, metavar="HEAD_FILE",
+                       help="go on training a head file (such as the shipped one) instead: its vocabulary and width")
     evaluate = commands.add_parser("evaluate")
     evaluate.add_argument("--out", required=True)
     evaluate.add_argument("--depth", type=int, default=6)
