@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -41,7 +40,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, ChainTally, chains, file_head, head_cost, load_rows, log, padded_batch, time_forward, training_pairs,
+    TARGET, ChainTally, chains, file_head, head_cost, load_rows, log, padded_batch, predicted_speedups, scheduled_lr,
+    training_pairs, training_sets, verify_forwards_ms,
 )
 
 from verispec.drafters.draft_head import SHIPPED_HEADS, DraftHead, rms  # noqa: E402
@@ -91,14 +91,15 @@ class BlockDrafter(torch.nn.Module):
         return out
 
 
-def drafter_from(path: Path, dense, depth: int) -> tuple[BlockDrafter, dict]:
-    """A block drafter: from a block.py checkpoint (.pt), or a head file's weights with its masks at zero."""
+def drafter_from(path: Path, dense, depth: int, row_input: str = "mask") -> tuple[BlockDrafter, dict]:
+    """A block drafter: from a block.py checkpoint (.pt: its own depth and row input), or a head file's weights with
+    its masks at zero."""
     if path.suffix == ".pt":
         saved = torch.load(path)
         drafter = BlockDrafter(file_head(dense, Path(saved["init"])), saved["depth"], saved.get("row_input", "mask"))
         drafter.load_state_dict(saved["state"])
         return drafter.eval(), saved
-    return BlockDrafter(file_head(dense, path), depth).eval(), {"init": str(path)}
+    return BlockDrafter(file_head(dense, path), depth, row_input).eval(), {"init": str(path)}
 
 
 @torch.no_grad()
@@ -122,13 +123,12 @@ def cmd_train(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dense = load_model(TARGET)
-    drafter, _ = drafter_from(Path(args.init), dense, args.depth)
-    drafter.row_input = args.row_input
+    drafter, _ = drafter_from(Path(args.init), dense, args.depth, args.row_input)
     head = drafter.head
     vocab = head.vocab
     index = torch.full((dense.model.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
-    names = sorted(path.stem for path in work.glob("train-*.pt"))
+    names = training_sets(work)
     pairs = training_pairs(load_rows(work, names))
     tokens = sum(len(p[1]) for p in pairs)
     log(f"{names}: {len(pairs)} windows, {tokens} positions; block of {args.depth}, {args.anchors} anchors a window")
@@ -153,8 +153,8 @@ def cmd_train(args) -> None:
             B, T = labels.shape
             anchors = torch.randperm(T)[: args.anchors].sort().values  # (A,)
             fraction = min((time.perf_counter() - started) / budget, 1.0)
-            for group, base in zip(optimizer.param_groups, (args.lr, args.mask_lr)):  # study's schedule
-                group["lr"] = base * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+            for group, base in zip(optimizer.param_groups, (args.lr, args.mask_lr)):
+                group["lr"] = scheduled_lr(base, step, fraction)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 predicted = drafter(f, nxt, anchors)
             real = labels >= 0  # (B, T)
@@ -208,10 +208,7 @@ def cmd_evaluate(args) -> None:
     depth = drafter.depth
     start_head = file_head(dense, Path(saved["init"]))
     target = load_model(TARGET, quantize="auto").model
-    cache = target.new_cache(1, 256 + 16)
-    target.prefill(list(range(1000, 1256)), cache)
-    verify_ms = [time_forward(lambda k=k: target.forward(torch.tensor([[42] * (k + 1)]), cache), 15) * 1e3
-                 for k in range(depth + 1)]  # the target's forward over k drafts and the token before them
+    verify_ms = verify_forwards_ms(target, depth)
     block_ms = [head_cost(drafter.head, target, rows=k)["head_ms"] for k in range(1, depth + 1)]
     chain_ms = head_cost(drafter.head, target)["head_ms"]  # one position; a chain of k pays k
     results = {"training": {k: v for k, v in saved.items() if k != "state"}, "rows": args.rows,
@@ -232,8 +229,7 @@ def cmd_evaluate(args) -> None:
             measured[form] = {
                 f"alpha_at_steps_k{depth}": tally.alpha_at_steps(), "alpha_by_position": tally.alpha_by_position(),
                 "tokens_per_forward": per_forward,
-                "speedup_by_k": [per_forward[k - 1] * verify_ms[0] / (verify_ms[k] + cost[k - 1])
-                                 for k in range(1, depth + 1)],
+                "speedup_by_k": predicted_speedups(per_forward, verify_ms, cost),
             }
             log(f"{name} {form}: at step starts {[round(a, 3) for a in tally.alpha_at_steps()]}, tokens/forward "
                 f"{[round(t, 2) for t in per_forward]}, best x{max(measured[form]['speedup_by_k']):.3f}")

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -66,8 +65,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, WINDOW, ChainTally, build_head, head_cost, head_vocab, log, padded_batch, time_forward, training_pairs,
-    write_head,
+    TARGET, WINDOW, ChainTally, build_head, head_cost, head_vocab, log, padded_batch, scheduled_lr, time_forward,
+    training_pairs, write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -407,9 +406,8 @@ def cmd_train(args) -> None:
                 break
             chosen = order[start : start + args.batch]
             fraction = min((time.perf_counter() - started) / budget, 1.0)
-            for group in optimizer.param_groups:  # study.cmd_train's schedule: warm up, cosine to a tenth
-                warm = min(1.0, (step + 1) / 30)
-                group["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(args.lr, step, fraction)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 if loss_kind == "study":  # study.cmd_train's loss, as it computes it
                     f, nxt, f_next, labels = padded_batch([pairs[i] for i in chosen])

@@ -395,12 +395,19 @@ def vocab_ranking(rows: list[dict], vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True, stable=True)
 
 
-def training_ranking(work: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
-    """vocab_ranking over work's train-* rows (the ids the target chose most first), and a note of what ranked them:
-    `ranking[:size].sort().values` is an output vocabulary for a head file."""
+def training_sets(work: Path) -> list[str]:
+    """The names of every training set collected in work (train-*: --text-seed, --more, --self-chat), or an exit
+    that says how to collect them."""
     names = sorted(path.stem for path in work.glob("train-*.pt"))
     if not names:
         raise SystemExit(f"no train-* rows in {work}: run `study.py collect --work {work}` first")
+    return names
+
+
+def training_ranking(work: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
+    """vocab_ranking over work's train-* rows (the ids the target chose most first), and a note of what ranked them:
+    `ranking[:size].sort().values` is an output vocabulary for a head file."""
+    names = training_sets(work)
     counted = [{"argmax": row["argmax"]} for name in names for row in torch.load(work / f"{name}.pt", mmap=True)]
     return vocab_ranking(counted, vocab_size), {"ranked_by": names}
 
@@ -426,6 +433,13 @@ def file_head(loaded, path: Path, vocab: torch.Tensor | None = None) -> DraftHea
     return head.eval()
 
 
+def scheduled_lr(base: float, step: int, fraction: float) -> float:
+    """The training's learning rate at `step`, `fraction` of the time budget spent: warm up over 30 steps, then a
+    cosine to a tenth of `base` (study, fused and block train by it)."""
+    warm = min(1.0, (step + 1) / 30)
+    return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+
+
 def head_file_training(path: Path) -> dict:
     """What a head file's metadata says of its training (about: runs, data), for the record of a head trained on
     from it."""
@@ -443,7 +457,7 @@ def cmd_train(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = load_model(TARGET)  # dense weights: the embedding, norm and head in the compute dtype
-    names = sorted(path.stem for path in work.glob("train-*.pt"))  # every set collected (--text-seed, --more)
+    names = training_sets(work)
     rows = load_rows(work, names)
     if args.init:  # go on training a head (its vocabulary and width kept), with whatever data is here now
         head, saved = trained_head(work, loaded)
@@ -482,9 +496,8 @@ def cmd_train(args) -> None:
             real = labels >= 0  # (B, T): not padding
             elapsed = time.perf_counter() - started
             fraction = min(elapsed / (args.minutes * 60), 1.0)
-            for group in optimizer.param_groups:  # warm up, then cosine to a tenth, over the time budget
-                warm = min(1.0, (step + 1) / 30)
-                group["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(args.lr, step, fraction)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 predicted = head(f, nxt)
                 logits = head.logits(predicted)
@@ -722,6 +735,22 @@ def first_position_agreement(model, row: dict) -> tuple[int, int]:
     return int((guesses == truth).sum()), len(truth)
 
 
+def verify_forwards_ms(target, depth: int) -> list[float]:
+    """[k]: ms of the target's forward over k drafts and the token before them (k = 0..depth), after 256 cached
+    tokens, each the median of 15."""
+    cache = target.new_cache(1, 256 + 16)
+    target.prefill(list(range(1000, 1256)), cache)
+    return [time_forward(lambda k=k: target.forward(torch.tensor([[42] * (k + 1)]), cache), 15) * 1e3
+            for k in range(depth + 1)]
+
+
+def predicted_speedups(tokens_per_forward: list[float], verify_ms: list[float], draft_ms: list[float]) -> list[float]:
+    """x plain for chains of k = 1..len: tokens per forward x one token's forward / (the verify forward + the step's
+    drafting, draft_ms[k - 1]); forwards alone, a ranking rather than a served figure."""
+    return [tokens_per_forward[k - 1] * verify_ms[0] / (verify_ms[k] + draft_ms[k - 1])
+            for k in range(1, len(tokens_per_forward) + 1)]
+
+
 def time_forward(function, repeats: int = 30) -> float:
     for _ in range(3):
         function()
@@ -877,11 +906,8 @@ def cmd_vocab(args) -> None:
         return
     served = load_model(TARGET, quantize="auto")
     target = served.model
-    cache = target.new_cache(1, 256 + 16)
-    target.prefill(list(range(1000, 1256)), cache)
-    verify_ms = {k: time_forward(lambda k=k: target.forward(torch.tensor([[42] * (k + 1)]), cache), 15) * 1e3
-                 for k in range(0, args.depth + 1)}  # the target's forward over k drafts and the token before them
-    results = {"head": str(source), "verify_ms": verify_ms, "sizes": {}}
+    verify_ms = verify_forwards_ms(target, args.depth)
+    results = {"head": str(source), "verify_ms": dict(enumerate(verify_ms)), "sizes": {}}
     own_vocab = load_file(str(source))["vocab"]
     for size in [0, *args.sizes]:  # 0: the file's own vocabulary
         vocab = own_vocab.long() if size == 0 else ranking[:size].sort().values
@@ -899,15 +925,14 @@ def cmd_vocab(args) -> None:
                 "covered": inside / tally.tokens,
                 f"alpha_at_steps_k{args.depth}": tally.alpha_at_steps(),
                 "tokens_per_forward": per_forward,
-                "speedup_by_k": [per_forward[k - 1] * verify_ms[0] / (verify_ms[k] + k * cost["head_ms"])
-                                 for k in range(1, args.depth + 1)],
+                "speedup_by_k": predicted_speedups(per_forward, verify_ms,
+                                                   [k * cost["head_ms"] for k in range(1, args.depth + 1)]),
             }
         if size == 0:  # DFlash's form on the cost side: k drafts in one forward of k rows, not k forwards of one
             block_ms = [head_cost(head, target, rows=k)["head_ms"] for k in range(1, args.depth + 1)]
             results["block_ms"] = block_ms
             for w in row["workloads"].values():
-                w["speedup_by_k_if_one_forward"] = [w["tokens_per_forward"][k - 1] * verify_ms[0] /
-                                                    (verify_ms[k] + block_ms[k - 1]) for k in range(1, args.depth + 1)]
+                w["speedup_by_k_if_one_forward"] = predicted_speedups(w["tokens_per_forward"], verify_ms, block_ms)
         results["sizes"][str(size or "file")] = row
         log(f"{len(vocab)} tokens: {cost['head_ms']:.2f} ms; " + "; ".join(
             f"{name} first {w[f'alpha_at_steps_k{args.depth}'][0]:.3f} best x{max(w['speedup_by_k']):.3f}"
