@@ -66,7 +66,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
     TARGET, WINDOW, ChainTally, build_head, head_cost, head_vocab, log, padded_batch, scheduled_lr, time_forward,
-    training_pairs, write_head,
+    training_pairs, training_sets, write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -355,7 +355,7 @@ def cmd_train(args) -> None:
     fused_arm, depth, loss_kind = ARMS[args.arm]
     depth = args.ttt or depth
     loaded = load_model(TARGET)  # dense: the embedding, final norm and output head, as study.cmd_train
-    names = args.sets or sorted(path.stem for path in work.glob("train-*.pt"))  # every set there, as study.py
+    names = args.sets or training_sets(work)  # every set there, as study.py
     rows = arm_rows(args.arm, work, names)
     if args.init:  # go on from a head file: its vocabulary and weights
         head = warm_head(args.arm, loaded, Path(args.init))
