@@ -40,6 +40,12 @@ def benchmark_script(name: str, folder: str = "scripts") -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="session")
+def study() -> ModuleType:
+    """benchmarks/draft_head/study.py: the draft head's data, training and measurement."""
+    return benchmark_script("study", folder="draft_head")
+
+
 def build_tokenizer(directory: Path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast

@@ -18,11 +18,6 @@ def block():
     return benchmark_script("block", folder="draft_head")
 
 
-@pytest.fixture(scope="module")
-def study():
-    return benchmark_script("study", folder="draft_head")
-
-
 def drafter_and_row(block, target, depth: int = 4, length: int = 20, row_input: str = "mask"):
     head = trainable_head(target, seed=5).eval()
     drafter = block.BlockDrafter(head, depth, row_input).eval()

@@ -22,11 +22,6 @@ def fused():
     return benchmark_script("fused", folder="draft_head")
 
 
-@pytest.fixture(scope="module")
-def study():
-    return benchmark_script("study", folder="draft_head")
-
-
 def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_trained(fused, target, tmp_path,
                                                                                     monkeypatch):
     layers = (0, 1, target.model.config.num_layers)  # low, mid, high: the last layer's state is the file's feature

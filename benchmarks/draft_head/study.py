@@ -51,6 +51,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import answer_store  # noqa: E402  (benchmarks/draft_head is not a package)
 from verispec.drafters.draft_head import (
     HEAD_WEIGHTS, SHIPPED_HEADS, DraftHead, built_head_path, loaded_tensors, rms, save_head, ship_head, stored_tensors,
 )
@@ -277,6 +279,14 @@ def corpus_windows(tokenizer, tokens_wanted: int, seed: int = 0) -> list[list[in
     return windows
 
 
+def answers_about(loaded, temperature: float) -> dict:
+    """What wrote a set of answers, kept with it (answers.py)."""
+    from verispec.bench.machine import machine_kind
+
+    return {"target": TARGET, "format": loaded.format.label, "machine": machine_kind(), "temperature": temperature,
+            "top_p": 0.95 if temperature else 1.0, "max_tokens": ANSWER_TOKENS, "written": time.strftime("%Y-%m-%d")}
+
+
 def cmd_collect(args) -> None:
     from verispec.bench.workloads import load_workload
     from verispec.models.loading import load_model
@@ -306,13 +316,33 @@ def cmd_collect(args) -> None:
         questions = self_chat_questions(loaded, work, args.self_chat)
         sets["train-chat-self"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
                                                             for q in questions])
+    if args.stdlib_code:  # standard-library functions to complete and to edit, answered greedily
+        completions, edits = answer_store.stdlib_code_items(args.stdlib_code)
+        sets["train-stdlib-complete"] = encoded_prompts(loaded, completions)
+        sets["train-stdlib-edit"] = encoded_prompts(loaded, edits)
+    store = Path(args.store) if args.store else None
+    if store and args.stored:  # every kept set, whether or not these options name it
+        sets |= {name: None for name in answer_store.stored_sets(store) if name not in sets}
     for name, prompts in sets.items():
         path = work / f"{name}.pt"
         if path.exists():
             continue
+        kept = store / f"{name}.npz" if store and name.startswith("train-") else None
         started = time.perf_counter()
-        outs = answers(loaded, prompts, temperatures.get(name, 0.0))
-        log(f"{name}: {len(prompts)} answers, {sum(map(len, outs))} tokens in {time.perf_counter() - started:.0f} s")
+        if kept and kept.exists():  # written on some machine before: only teacher-forced here
+            kept_rows, about = answer_store.load_answers(kept)
+            prompts, outs = [ids[:start] for ids, start in kept_rows], [ids[start:] for ids, start in kept_rows]
+            log(f"{name}: {len(prompts)} kept answers ({about.get('machine')}, {about.get('format')}) from {kept}")
+        elif prompts is None:
+            continue
+        else:
+            temperature = temperatures.get(name, 0.0)
+            outs = answers(loaded, prompts, temperature)
+            log(f"{name}: {len(prompts)} answers, {sum(map(len, outs))} tokens in "
+                f"{time.perf_counter() - started:.0f} s")
+            if kept:
+                answer_store.save_answers(kept, [(p + o, len(p)) for p, o in zip(prompts, outs)],
+                                          answers_about(loaded, temperature))
         started = time.perf_counter()
         rows = [dict(tap.run(p + o), answer_start=len(p)) for p, o in zip(prompts, outs)]
         tokens = sum(len(r["ids"]) for r in rows)
@@ -329,6 +359,24 @@ def cmd_collect(args) -> None:
                 log(f"text: {i}/{len(windows)} windows, {time.perf_counter() - started:.0f} s")
         log(f"text: {sum(len(w) for w in windows)} tokens in {time.perf_counter() - started:.0f} s")
         torch.save(rows, path)
+
+
+def cmd_keep(args) -> None:
+    """Every answer set in --work (train-*, not the text windows, which any machine cuts again) kept in --store as
+    token ids, unless kept there already: what a set collected before the store existed needs."""
+    from verispec.models.loading import load_model
+
+    work, store = Path(args.work), Path(args.store)
+    names = [name for name in training_sets(work) if not name.startswith("train-text")]
+    missing = [name for name in names if not (store / f"{name}.npz").exists()]
+    if not missing:
+        return log(f"every answer set in {work} is kept in {store}")
+    loaded = load_model(TARGET, quantize="auto")  # its format: what wrote them, when they were collected here
+    for name in missing:
+        rows = [(row["ids"].tolist(), int(row["answer_start"])) for row in torch.load(work / f"{name}.pt", mmap=True)]
+        temperature = 0.7 if name.endswith("-sampled") else 0.0
+        answer_store.save_answers(store / f"{name}.npz", rows, answers_about(loaded, temperature))
+        log(f"{name}: {len(rows)} answers kept in {store}")
 
 
 # ---------------------------------------------------------------- the head
@@ -1063,6 +1111,13 @@ def main() -> None:
                          help="also HumanEval and code-edit 80.., more chat, and all training prompts answered sampled")
     collect.add_argument("--self-chat", type=int, default=0, metavar="N",
                          help="also N questions the target writes itself (SELF_CHAT_TOPICS), answered greedily")
+    collect.add_argument("--stdlib-code", type=int, default=0, metavar="N",
+                         help="N standard-library functions to complete and N to edit, answered greedily")
+    collect.add_argument("--store", default=str(answer_store.STORE),
+                         help="where answer sets are kept as token ids: a kept set is only teacher-forced ('': none)")
+    collect.add_argument("--stored", action="store_true", help="teacher-force every kept set in --store as well")
+    keep = commands.add_parser("keep", help="the answer sets collected in --work, kept in --store as token ids")
+    keep.add_argument("--store", default=str(answer_store.STORE))
     train = commands.add_parser("train")
     train.add_argument("--minutes", type=float, default=20)
     train.add_argument("--vocab", type=int, default=32768)
@@ -1104,12 +1159,12 @@ def main() -> None:
     trees.add_argument("--depth", type=int, default=6)
     trees.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 9, 11, 15])
     trees.add_argument("--forwards", default="benchmarks/results/xeon/tree-potential/run.json")
-    for command in (collect, train, evaluate, export, trees, vocab):
+    for command in (collect, keep, train, evaluate, export, trees, vocab):
         command.add_argument("--work", required=True)
         command.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     commands = {"collect": cmd_collect, "train": cmd_train, "evaluate": cmd_evaluate, "price": cmd_price,
-                "export": cmd_export, "trees": cmd_trees, "vocab": cmd_vocab}
+                "export": cmd_export, "trees": cmd_trees, "vocab": cmd_vocab, "keep": cmd_keep}
     commands[args.command](args)
 
 

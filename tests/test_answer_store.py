@@ -1,0 +1,84 @@
+"""The target's answers kept as token ids (benchmarks/draft_head/answer_store.py, issue 48): a kept set comes back as
+it was written, a damaged one is refused, `study.py collect` teacher-forces a kept set instead of writing it again
+and keeps each set it writes, and the standard library's code prompts are HumanEval's and code-edit's forms."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import benchmark_script
+
+
+@pytest.fixture(scope="module")
+def store_module():
+    return benchmark_script("answer_store", folder="draft_head")
+
+
+def test_a_kept_set_comes_back_as_written_and_a_damaged_one_is_refused(store_module, tmp_path):
+    rows = [([5, 6, 7, 151_000, 9], 3), ([1, 2], 2), ([4, 3, 2, 1, 0, 8], 1)]
+    path = tmp_path / "train-a.npz"
+    store_module.save_answers(path, rows, {"machine": "zen4", "temperature": 0.7})
+    assert store_module.load_answers(path) == (rows, {"machine": "zen4", "temperature": 0.7})
+    assert store_module.stored_sets(tmp_path) == ["train-a"]
+
+    with np.load(path) as kept:
+        arrays = dict(kept)
+    np.savez_compressed(path, **(arrays | {"ids": arrays["ids"][:-1]}))  # a token lost
+    with pytest.raises(SystemExit, match="damaged"):
+        store_module.load_answers(path)
+
+
+def test_stdlib_code_prompts_are_functions_to_complete_and_to_edit_in_a_fixed_order(store_module):
+    completions, edits = store_module.stdlib_code_items(12)
+    assert (completions, edits) == store_module.stdlib_code_items(12) and len(completions) == len(edits) == 12
+    for item in completions:  # HumanEval's form: a def and its docstring, the body left to write
+        compile(item["prompt"] + "    pass\n", item["id"], "exec")
+        assert item["prompt"].startswith(("def ", "async def "))
+    for item in edits:
+        content = item["messages"][0]["content"]
+        code = content.split("```python\n")[1].split("\n```")[0]
+        compile(code, item["id"], "exec")  # a whole function
+        assert any(edit in content for edit in store_module.STORED_EDITS)
+    assert not {item["id"] for item in completions} & {item["id"].replace("stdlib-edit", "stdlib") for item in edits}
+
+
+def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, target, tmp_path, monkeypatch):
+    work, store = tmp_path / "work", tmp_path / "store"
+    work.mkdir()
+    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-text"):
+        torch.save([], work / f"{name}.pt")  # collected before: left as they are
+    vocab = target.model.vocab_size
+    generator = torch.Generator().manual_seed(4)
+    kept = [(torch.randint(0, vocab, (n,), generator=generator).tolist(), start) for n, start in ((30, 12), (9, 4))]
+    study.answer_store.save_answers(store / "train-chat.npz", kept, {"machine": "xeon"})
+    study.answer_store.save_answers(store / "train-stdlib-edit.npz", kept[1:], {"machine": "zen2"})
+    monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
+
+    def answers(loaded, prompts, temperature=0.0, max_tokens=128):
+        assert False, "a kept set was written again"
+
+    monkeypatch.setattr(study, "answers", answers)
+    args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, stdlib_code=0,
+                              store=str(store), stored=True, text_tokens=0, text_seed=0)
+    study.cmd_collect(args)
+    for name, rows in (("train-chat", kept), ("train-stdlib-edit", kept[1:])):  # named by --stored only: the second
+        tapped = torch.load(work / f"{name}.pt")
+        assert [(row["ids"].tolist(), row["answer_start"]) for row in tapped] == rows
+    row = tapped[0]
+    with torch.no_grad():
+        logits = target.model.forward(row["ids"][None], target.model.new_cache(1, len(row["ids"]) + 1))  # (1, T, V)
+    assert torch.equal(row["argmax"], logits[0].argmax(-1))  # this machine's target labels the kept answers
+
+    (work / "train-chat.pt").unlink()
+    (store / "train-chat.npz").unlink()
+    monkeypatch.setattr(study, "answers", lambda loaded, prompts, temperature=0.0: [[7, 8, 9]] * len(prompts))
+    study.cmd_collect(argparse.Namespace(**vars(args) | {"stored": False}))
+    written, about = study.answer_store.load_answers(store / "train-chat.npz")
+    assert len(written) == len(study.TRAIN_CHAT) and all(ids[start:] == [7, 8, 9] for ids, start in written)
+    assert about["temperature"] == 0.0 and about["target"] == study.TARGET
+    assert json.loads(json.dumps(about)) == about
