@@ -38,29 +38,23 @@ test: models
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
-# The draft head `--draft head` loads, for the default target: the recipe of the head verispec ships
-# (benchmarks/results/xeon/shipped-head). benchmarks/draft_head/study.py collects the target's own greedy answers to
-# the training prompts (none of the measured ones) and 100k tokens of standard-library text teacher-forced through
-# it, trains HEAD_MINUTES on this CPU, then has the target write and answer about 600 questions of its own and
-# trains 20 more minutes from there. About 2 h on 2 cores; each step's output is kept in HEAD_WORK (about 6 GB), so
-# a rerun picks up where it stopped. HEAD_MORE=1 adds sampled answers, 120 more chat questions and 200k more text
-# tokens before the first training (about 3 h more; run 4 of benchmarks/results/xeon/draft-head, on another Xeon,
-# had chat's first guess pass 55% of the time with them, against the shipped head's 48%). The head file drafts over
-# the HEAD_VOCAB ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows cost a draft
-# position 57% of 32,768's on a Zen 4, at the same acceptance).
+# The draft head `--draft head` loads, for the default target. benchmarks/draft_head/study.py teacher-forces the
+# target's own answers kept in data/head-answers (about 1,200 answers to prompts that are none of the measured ones,
+# written on earlier machines: this step only reads them through the target, about 190 tokens/s on 2 cores) and
+# 100k tokens of standard-library text, trains HEAD_MINUTES on this CPU and writes the head file over the HEAD_VOCAB
+# ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows cost a draft position 57%
+# of 32,768's on a Zen 4, at the same acceptance). Each step's output is kept in HEAD_WORK (several GB), so a rerun
+# picks up where it stopped. HEAD_FROM=FILE goes on from a head file instead of starting from nothing: the head
+# verispec ships is the head of the runs in heads.json, the last of them `make head
+# HEAD_FROM=verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors`.
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_VOCAB ?= 16384
 HEAD_MINUTES ?= 40
-HEAD_MORE ?= 0
+HEAD_FROM ?=
 head: models
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --early-layers --threads $(THREADS)
-	if [ "$(HEAD_MORE)" = 1 ]; then \
-		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --more --early-layers --threads $(THREADS) && \
-		$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --text-seed 1 --text-tokens 200000 \
-			--early-layers --threads $(THREADS); fi
-	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --self-chat 800 --early-layers --threads $(THREADS)
-	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --init --minutes 20 --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py collect --work $(HEAD_WORK) --stored --early-layers --threads $(THREADS)
+	$(PY) benchmarks/draft_head/study.py train --work $(HEAD_WORK) --minutes $(HEAD_MINUTES) --threads $(THREADS) \
+		$(if $(HEAD_FROM),--init-file $(HEAD_FROM))
 	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --vocab-rows $(HEAD_VOCAB)
 
 # The head `make head` trained, as the one verispec ships for the default target (verispec/data/heads, its sha256 in

@@ -1,7 +1,8 @@
 """A draft head over the target's own hidden states (EAGLE-style): its data, training and measurement (issue 31).
 
-`make head` runs collect, train, collect --self-chat, train --init and export --vocab-rows (HEAD_MORE=1: collect --more
-and more text first): the head `--draft head` loads (verispec.drafters.draft_head).
+`make head` runs collect --stored, train (HEAD_FROM: --init-file) and export --vocab-rows: the head `--draft head` loads
+(verispec.drafters.draft_head). The target's answers are kept as token ids in data/head-answers (answer_store.py), so
+a set written on one machine is only teacher-forced on the next.
 
 The question: can a drafter that costs <= 0.15 of a target forward be accepted often enough to pay on these
 CPUs? Candidates measured here, both over the target's own last-layer features so that none needs a model of
@@ -20,7 +21,9 @@ Data recipe (all offline, from what the machine has):
   and code-edit problems 16..79, and TRAIN_CHAT below (questions written for this study, none of chat.jsonl's);
   with --more also to HumanEval and code-edit 80.., and to MORE_CHAT_* (120 more questions), and all of these
   answered once more sampled (temperature 0.7, top-p 0.95); with --self-chat N also to N questions the target
-  wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out);
+  wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out); with
+  --stdlib-code N to N standard-library functions cut after their docstring (HumanEval's form) and N whole ones
+  with an edit to make (code-edit's form); with --stored to every set kept in data/head-answers;
 - measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
   target greedily; each evaluated position sees the target's true features before it, as a drafter would.
 
