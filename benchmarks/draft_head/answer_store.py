@@ -8,7 +8,7 @@ target writes is kept here, in `data/head-answers/<set>.npz` (token ids, a few h
 machine's target, so the labels are always the target's own in the format it serves there.
 
 A set file holds, for each answer, the whole sequence (prompt then answer) and where the answer starts, and what
-wrote it (`about`: target, format, machine kind, temperature, date).
+wrote it (`about`: target, format, machine kind, temperature, the date it was kept).
 
 This module also makes code prompts from the standard library (`stdlib_code_items`): functions with a docstring,
 cut after the docstring for the target to complete (HumanEval's form), and whole functions with an edit to make

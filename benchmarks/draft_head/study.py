@@ -283,11 +283,12 @@ def corpus_windows(tokenizer, tokens_wanted: int, seed: int = 0) -> list[list[in
 
 
 def answers_about(loaded, temperature: float) -> dict:
-    """What wrote a set of answers, kept with it (answers.py)."""
+    """What wrote a set of answers (the target, its format, the machine kind, the sampling), kept with it
+    (answer_store.py)."""
     from verispec.bench.machine import machine_kind
 
     return {"target": TARGET, "format": loaded.format.label, "machine": machine_kind(), "temperature": temperature,
-            "top_p": 0.95 if temperature else 1.0, "max_tokens": ANSWER_TOKENS, "written": time.strftime("%Y-%m-%d")}
+            "top_p": 0.95 if temperature else 1.0, "max_tokens": ANSWER_TOKENS, "kept": time.strftime("%Y-%m-%d")}
 
 
 def cmd_collect(args) -> None:
@@ -373,7 +374,8 @@ def cmd_keep(args) -> None:
     names = [name for name in training_sets(work) if not name.startswith("train-text")]
     missing = [name for name in names if not (store / f"{name}.npz").exists()]
     if not missing:
-        return log(f"every answer set in {work} is kept in {store}")
+        log(f"every answer set in {work} is kept in {store}")
+        return
     loaded = load_model(TARGET, quantize="auto")  # its format: what wrote them, when they were collected here
     for name in missing:
         rows = [(row["ids"].tolist(), int(row["answer_start"])) for row in torch.load(work / f"{name}.pt", mmap=True)]
