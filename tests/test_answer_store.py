@@ -45,6 +45,12 @@ def test_stdlib_code_prompts_are_functions_to_complete_and_to_edit_in_a_fixed_or
         compile(code, item["id"], "exec")  # a whole function
         assert any(edit in content for edit in store_module.STORED_EDITS)
     assert not {item["id"] for item in completions} & {item["id"].replace("stdlib-edit", "stdlib") for item in edits}
+    longer = store_module.stdlib_code_items(17)  # a longer list starts with the same ones: batches do not overlap
+    assert tuple(items[:12] for items in longer) == (completions, edits)
+    later = store_module.stdlib_code_items(5, skip=12)  # a further batch: the next ones in the same order
+    assert later == tuple(items[12:] for items in longer) and len(later[0]) == len(later[1]) == 5
+    code = {item["prompt"] for item in completions} | {item["messages"][0]["content"] for item in edits}
+    assert not code & ({item["prompt"] for item in later[0]} | {item["messages"][0]["content"] for item in later[1]})
 
 
 def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, target, tmp_path, monkeypatch):
@@ -64,7 +70,7 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
 
     monkeypatch.setattr(study, "answers", answers)
     args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, stdlib_code=0,
-                              store=str(store), stored=True, text_tokens=0, text_seed=0)
+                              stdlib_skip=0, store=str(store), stored=True, text_tokens=0, text_seed=0)
     study.cmd_collect(args)
     for name, rows in (("train-chat", kept), ("train-stdlib-edit", kept[1:])):  # named by --stored only: the second
         tapped = torch.load(work / f"{name}.pt")

@@ -78,27 +78,41 @@ def _functions_with_docstrings(source: str):
         yield text, doc.end_lineno - node.lineno + 1
 
 
-def stdlib_code_items(count: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def stdlib_code_items(count: int, skip: int = 0, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """`count` completion prompts (a function up to the end of its docstring: HumanEval's form) and `count` edit
     prompts (a whole function and one of STORED_EDITS: code-edit's form), from different standard-library functions,
-    in a fixed order."""
+    in a fixed order, after the first `skip` of each (so that batches written one after another do not overlap)."""
+    completions, edits = _stdlib_code_items(count + skip, seed)
+    return completions[skip:], edits[skip:]
+
+
+ROUNDS = (slice(0, 2), slice(2, 6), slice(6, None))  # the functions each file gives in each pass over the files
+
+
+def _stdlib_code_items(count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    import sysconfig
+
     from verispec.drafters.draft_vocab import corpus_files
 
-    files = corpus_files()[1:]  # the sources; not pydoc's topics
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [path for path in corpus_files() if path != stdlib / "pydoc_data" / "topics.py"]  # not pydoc's topics
     random.Random(seed).shuffle(files)
+    found: dict[Path, list] = {}  # each file's functions, parsed once
     completions, edits = [], []
-    for path in files:
-        for i, (code, body_line) in enumerate(_functions_with_docstrings(path.read_text(errors="replace"))):
-            if i >= 2:  # at most two functions a file: more files
-                break
-            if len(completions) < count and (len(edits) >= count or len(completions) <= len(edits)):
-                head = "\n".join(code.splitlines()[:body_line]) + "\n"
-                completions.append({"id": f"stdlib/{path.stem}/{i}", "prompt": head})
-            elif len(edits) < count:
-                edit = STORED_EDITS[len(edits) % len(STORED_EDITS)]
-                content = (f"Here is a Python function:\n\n```python\n{code}\n```\n\n{edit} "
-                           "Reply with the complete updated code in one Python code block and nothing else.")
-                edits.append({"id": f"stdlib-edit/{path.stem}/{i}", "messages": [{"role": "user", "content": content}]})
-        if len(completions) >= count and len(edits) >= count:
-            break
+    for taken in ROUNDS:  # the first two functions of every file, then more of each: many files first
+        for path in files:
+            if path not in found:
+                found[path] = list(_functions_with_docstrings(path.read_text(errors="replace")))
+            for i, (code, body_line) in list(enumerate(found[path]))[taken]:
+                where = f"{path.relative_to(stdlib).as_posix()}/{i}"
+                if len(completions) < count and (len(edits) >= count or len(completions) <= len(edits)):
+                    head = "\n".join(code.splitlines()[:body_line]) + "\n"
+                    completions.append({"id": f"stdlib/{where}", "prompt": head})
+                elif len(edits) < count:
+                    edit = STORED_EDITS[len(edits) % len(STORED_EDITS)]
+                    content = (f"Here is a Python function:\n\n```python\n{code}\n```\n\n{edit} "
+                               "Reply with the complete updated code in one Python code block and nothing else.")
+                    edits.append({"id": f"stdlib-edit/{where}", "messages": [{"role": "user", "content": content}]})
+            if len(completions) >= count and len(edits) >= count:
+                return completions, edits
     return completions, edits

@@ -321,9 +321,10 @@ def cmd_collect(args) -> None:
         sets["train-chat-self"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
                                                             for q in questions])
     if args.stdlib_code:  # standard-library functions to complete and to edit, answered greedily
-        completions, edits = answer_store.stdlib_code_items(args.stdlib_code)
-        sets["train-stdlib-complete"] = encoded_prompts(loaded, completions)
-        sets["train-stdlib-edit"] = encoded_prompts(loaded, edits)
+        completions, edits = answer_store.stdlib_code_items(args.stdlib_code, args.stdlib_skip)
+        batch = f"-from{args.stdlib_skip}" if args.stdlib_skip else ""
+        sets[f"train-stdlib-complete{batch}"] = encoded_prompts(loaded, completions)
+        sets[f"train-stdlib-edit{batch}"] = encoded_prompts(loaded, edits)
     store = Path(args.store) if args.store else None
     if store and args.stored:  # every kept set, whether or not these options name it
         sets |= {name: None for name in answer_store.stored_sets(store) if name not in sets}
@@ -1118,6 +1119,8 @@ def main() -> None:
                          help="also N questions the target writes itself (SELF_CHAT_TOPICS), answered greedily")
     collect.add_argument("--stdlib-code", type=int, default=0, metavar="N",
                          help="N standard-library functions to complete and N to edit, answered greedily")
+    collect.add_argument("--stdlib-skip", type=int, default=0, metavar="M",
+                         help="with --stdlib-code: after the first M of each (a further batch: train-stdlib-*-fromM)")
     collect.add_argument("--store", default=str(answer_store.STORE),
                          help="where answer sets are kept as token ids: a kept set is only teacher-forced ('': none)")
     collect.add_argument("--stored", action="store_true", help="teacher-force every kept set in --store as well")
