@@ -23,7 +23,8 @@ Data recipe (all offline, from what the machine has):
   answered once more sampled (temperature 0.7, top-p 0.95); with --self-chat N also to N questions the target
   wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out); with
   --stdlib-code N to N standard-library functions cut after their docstring (HumanEval's form) and N whole ones
-  with an edit to make (code-edit's form); with --stored to every set kept in data/head-answers;
+  with an edit to make (code-edit's form), --stdlib-skip M: the next N after the first M (a further batch); with
+  --stored to every set kept in data/head-answers;
 - measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
   target greedily; each evaluated position sees the target's true features before it, as a drafter would.
 
