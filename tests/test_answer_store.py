@@ -31,6 +31,9 @@ def test_a_kept_set_comes_back_as_written_and_a_damaged_one_is_refused(store_mod
     np.savez_compressed(path, **(arrays | {"ids": arrays["ids"][:-1]}))  # a token lost
     with pytest.raises(SystemExit, match="damaged"):
         store_module.load_answers(path)
+    path.write_bytes(path.read_bytes()[:100])  # cut short
+    with pytest.raises(SystemExit, match="damaged"):
+        store_module.load_answers(path)
 
 
 def test_stdlib_code_prompts_are_functions_to_complete_and_to_edit_in_a_fixed_order(store_module):

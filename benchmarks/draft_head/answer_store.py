@@ -1,8 +1,8 @@
 """The target's own answers, kept as token ids so that the head's training data grows across machines (issue 48).
 
 What holds the head back is its data (benchmarks/results/zen4/block-drafter: on answers it trained on its first
-draft passes 0.93-1.00 of the time, on new ones about half as often). Writing answers is the slow part: about 70
-tokens/s in batches of 16 on 2 cores, against about 190 tokens/s to teacher-force them. So every answer set the
+draft passes 0.93-1.00 of the time, on new ones about half as often). Writing answers is the slow part: 60-110
+tokens/s in batches of 16 on a 2-core Zen 4, against about 170 tokens/s to teacher-force them. So every answer set the
 target writes is kept here, in `data/head-answers/<set>.npz` (token ids, a few hundred KB a set), and
 `study.py collect` only teacher-forces a kept set on the next machine: its features and argmax come from that
 machine's target, so the labels are always the target's own in the format it serves there.
@@ -21,6 +21,7 @@ import ast
 import json
 import random
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -44,11 +45,16 @@ def save_answers(path: Path, rows: list[tuple[list[int], int]], about: dict) -> 
 
 def load_answers(path: Path) -> tuple[list[tuple[list[int], int]], dict]:
     """A kept set: its rows (prompt + answer ids, where the answer starts) and what wrote them."""
-    with np.load(path, allow_pickle=False) as kept:
-        ids, lengths, starts = kept["ids"], kept["lengths"], kept["answer_starts"]
-        about = json.loads(str(kept["about"]))
+    damaged = (f"{path} is damaged: restore it (`git checkout -- {path}`), or delete it and collect the set "
+               "again")
+    try:
+        with np.load(path, allow_pickle=False) as kept:
+            ids, lengths, starts = kept["ids"], kept["lengths"], kept["answer_starts"]
+            about = json.loads(str(kept["about"]))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise SystemExit(f"{damaged} ({error})") from None
     if int(lengths.sum()) != len(ids) or len(starts) != len(lengths) or (starts > lengths).any():
-        raise SystemExit(f"{path} is damaged (its lengths do not add up): delete it and collect the set again")
+        raise SystemExit(f"{damaged} (its lengths do not add up)")
     ends = np.cumsum(lengths)
     rows = [(ids[end - length : end].tolist(), int(start)) for end, length, start in zip(ends, lengths, starts)]
     return rows, about
