@@ -45,8 +45,9 @@ test-fast: install
 # file over the HEAD_VOCAB ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows
 # cost a draft position 57% of 32,768's on a Zen 4, at the same acceptance). Each step's output is kept in
 # HEAD_WORK (several GB), so a rerun picks up where it stopped. HEAD_FROM=FILE goes on from a head file instead of
-# starting from nothing: the head verispec ships is the head of the runs in heads.json, the last of them
-# `make head HEAD_FROM=verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors`.
+# starting from nothing: the head verispec ships is the head of the runs in heads.json, the last of them this
+# recipe with HEAD_FROM=verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors HEAD_MINUTES=35, over the sets
+# kept then (heads.json names them).
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_VOCAB ?= 16384
 HEAD_MINUTES ?= 40
