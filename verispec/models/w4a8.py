@@ -120,6 +120,22 @@ def load_kernel() -> None:
         raise
 
 
+@contextlib.contextmanager
+def _building(directory: Path):
+    """Holds an OS lock on the build directory while torch builds or loads the kernels there (the OS lets go of it when
+    the process dies), and under it removes torch's own lock file where a killed build left it: torch waits on that
+    file forever, even to load a kernel already built, and every process that builds here holds this lock first."""
+    import fcntl
+
+    with open(directory / "building.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _put_ninja_on_path() -> None:
     """torch builds extensions with ninja; the `ninja` wheel (a dependency) has it when the system does not."""
     if shutil.which("ninja") is not None:
@@ -139,11 +155,12 @@ def _build_and_load() -> None:
 
     _put_ninja_on_path()
     output = io.StringIO()
+    build_directory = _build_directory()
     try:
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        with _building(build_directory), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             cpp_extension.load(
                 name="verispec_kernels", sources=[str(source) for source in SOURCES], extra_cflags=compile_flags(),
-                extra_ldflags=["-fopenmp"], build_directory=str(_build_directory()), is_python_module=False,
+                extra_ldflags=["-fopenmp"], build_directory=str(build_directory), is_python_module=False,
                 verbose=False,
             )
     except (RuntimeError, OSError, ImportError) as error:
