@@ -39,7 +39,7 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not real"
 
 # The draft head `--draft head` loads, for the default target. benchmarks/draft_head/study.py teacher-forces the
-# target's own answers kept in data/head-answers (1,817 answers to prompts that are none of the measured ones,
+# target's own answers kept in data/head-answers (to prompts that are none of the measured ones,
 # written on earlier machines: this step only reads them through the target, about 170 tokens/s on 2 cores) and
 # 100k tokens of standard-library text, trains HEAD_MINUTES on this CPU (about 1 h 40 in all) and writes the head
 # file over the HEAD_VOCAB ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows
