@@ -23,7 +23,7 @@ import torch
 from verispec.models.catalog import CATALOG, CatalogEntry, assemble_gguf, total_bytes
 from verispec.models.config import ModelConfig
 from verispec.models.hub import hub_snapshot, looks_like_hub_id
-from verispec.models.machine import CACHE_MARKER, cache_root, cpu_supports_bfloat16
+from verispec.models.machine import CACHE_MARKER, cache_lock, cache_root, cpu_supports_bfloat16
 from verispec.models import target_format, w4a8
 from verispec.models.linear import (
     BATCH_INVARIANT_FORMATS, FormatChoice, auto_keeps_dense, candidate_choice, choose_format,
@@ -137,27 +137,11 @@ def convert_gguf(gguf_path: Path, destination: Path, progress: bool = False) -> 
     tokenizer.save_pretrained(destination)
 
 
-@contextlib.contextmanager
-def _cache_lock(name: str):
-    """Holds an exclusive lock on one cache entry: two processes that need the same model at once (two replicas,
-    two test workers) convert it once, the second waiting for the first, never into each other's scratch files."""
-    import fcntl
-
-    path = cache_root() / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _convert_into_cache(name: str, write_gguf, source: dict, progress: bool) -> Path:
     """Run a conversion in a scratch directory and move it into place only once it is complete (under the entry's
     lock: a process that waited finds it done)."""
     final = cached_dir(name)
-    with _cache_lock(name):
+    with cache_lock(name):
         if is_cached(name):
             return final
         return _convert_unlocked(final, write_gguf, source, progress)
@@ -206,7 +190,7 @@ def prepare_catalog_gguf(entry: CatalogEntry, progress: bool = False) -> Path:
     final = cached_gguf(entry.name)
     if _gguf_is_ready(entry):
         return final
-    with _cache_lock(f"{entry.name}.gguf"):
+    with cache_lock(f"{entry.name}.gguf"):
         if _gguf_is_ready(entry):  # another process assembled it while this one waited
             return final
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ them here), so no module imports a higher layer for a CPU flag or the cache root
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -60,6 +61,23 @@ def cache_root() -> Path:
         return Path(os.environ["VERISPEC_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "verispec"
+
+
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Holds an exclusive lock on one cache entry (the OS lets go of it when the process dies): two processes that
+    need the same model or kernel build at once (two replicas, two test workers) make it once, the second waiting for
+    the first, never into each other's scratch files."""
+    import fcntl
+
+    path = cache_root() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def weights_identity(directory: Path) -> str:

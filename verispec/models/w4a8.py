@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.machine import cache_root, cpu_flags
+from verispec.models.machine import cache_lock, cache_root, cpu_flags
 
 GROUP_SIZE = 32  # inputs sharing one integer multiplier and offset
 COLUMNS = 16  # output columns per packed block
@@ -122,18 +122,12 @@ def load_kernel() -> None:
 
 @contextlib.contextmanager
 def _building(directory: Path):
-    """Holds an OS lock on the build directory while torch builds or loads the kernels there (the OS lets go of it when
-    the process dies), and under it removes torch's own lock file where a killed build left it: torch waits on that
-    file forever, even to load a kernel already built, and every process that builds here holds this lock first."""
-    import fcntl
-
-    with open(directory / "building.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            (directory / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """Holds the cache's lock on the build directory while torch builds or loads the kernels there, and under it
+    removes torch's own lock file where a killed build left it: torch waits on that file forever, even to load a
+    kernel already built, and every process that builds here holds the cache's lock first."""
+    with cache_lock(f"kernels-{directory.name}"):
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _put_ninja_on_path() -> None:
