@@ -26,11 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from verispec.bench.workloads import ADD_COMMENTS, ADD_TYPE_HINTS, code_edit_request
+
 STORE = Path(__file__).resolve().parents[2] / "data" / "head-answers"
-STORED_EDITS = (  # code-edit's two edits that need no name from the code
-    "Add type hints to every parameter and to the return value of each function.",
-    "Add a short comment above each non-trivial line.",
-)
+STORED_EDITS = (ADD_TYPE_HINTS, ADD_COMMENTS)  # code-edit's two edits that need no name from the code
 
 
 def save_answers(path: Path, rows: list[tuple[list[int], int]], about: dict) -> None:
@@ -116,9 +115,8 @@ def _stdlib_code_items(count: int, seed: int) -> tuple[list[dict], list[dict]]:
                     completions.append({"id": f"stdlib/{where}", "prompt": head})
                 elif len(edits) < count:
                     edit = STORED_EDITS[len(edits) % len(STORED_EDITS)]
-                    content = (f"Here is a Python function:\n\n```python\n{code}\n```\n\n{edit} "
-                               "Reply with the complete updated code in one Python code block and nothing else.")
-                    edits.append({"id": f"stdlib-edit/{where}", "messages": [{"role": "user", "content": content}]})
+                    edits.append({"id": f"stdlib-edit/{where}",
+                                  "messages": [{"role": "user", "content": code_edit_request(code, edit)}]})
             if len(completions) >= count and len(edits) >= count:
                 return completions, edits
     return completions, edits

@@ -49,6 +49,18 @@ def _first_local_name(code: str, entry_point: str) -> str | None:
     return None
 
 
+ADD_TYPE_HINTS = "Add type hints to every parameter and to the return value of each function."
+ADD_COMMENTS = "Add a short comment above each non-trivial line."
+
+
+def code_edit_request(code: str, instruction: str) -> str:
+    """A code-edit prompt's user message: the code in a Python block, the edit to make and how to reply."""
+    return (
+        f"Here is a Python function:\n\n```python\n{code}\n```\n\n{instruction} "
+        "Reply with the complete updated code in one Python code block and nothing else."
+    )
+
+
 def code_edit() -> list[dict]:
     """Input-grounded edits of HumanEval's canonical solutions: the answer mostly copies the input."""
     prompts = []
@@ -56,16 +68,12 @@ def code_edit() -> list[dict]:
         code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
         name = _first_local_name(code, problem["entry_point"])
         edits = [
-            "Add type hints to every parameter and to the return value of each function.",
+            ADD_TYPE_HINTS,
             f"Rename the variable `{name}` to a more descriptive name everywhere it is used." if name else None,
-            "Add a short comment above each non-trivial line.",
+            ADD_COMMENTS,
         ]
         edits = [e for e in edits if e]
-        instruction = edits[index % len(edits)]
-        content = (
-            f"Here is a Python function:\n\n```python\n{code}\n```\n\n{instruction} "
-            "Reply with the complete updated code in one Python code block and nothing else."
-        )
+        content = code_edit_request(code, edits[index % len(edits)])
         prompts.append({"id": f"code-edit/{problem['task_id']}", "messages": [{"role": "user", "content": content}]})
     return prompts
 
