@@ -72,8 +72,8 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
         assert False, "a kept set was written again"
 
     monkeypatch.setattr(study, "answers", answers)
-    args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, stdlib_code=0,
-                              stdlib_skip=0, store=str(store), stored=True, text_tokens=0, text_seed=0)
+    args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=0,
+                              stdlib_code=0, stdlib_skip=0, store=str(store), stored=True, text_tokens=0, text_seed=0)
     study.cmd_collect(args)
     for name, rows in (("train-chat", kept), ("train-stdlib-edit", kept[1:])):  # named by --stored only: the second
         tapped = torch.load(work / f"{name}.pt")
@@ -91,3 +91,43 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
     assert len(written) == len(study.TRAIN_CHAT) and all(ids[start:] == [7, 8, 9] for ids, start in written)
     assert about["temperature"] == 0.0 and about["target"] == study.TARGET
     assert json.loads(json.dumps(about)) == about
+
+
+def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_measured_questions(
+    study, target, tmp_path, monkeypatch
+):
+    from verispec.bench.workloads import load_workload
+
+    work, store = tmp_path / "work", tmp_path / "store"
+    work.mkdir()
+    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-chat",
+                 "train-text"):
+        torch.save([], work / f"{name}.pt")
+    first_round = ["How do I reset my router to factory settings?"]
+    (work / "self-chat-questions.json").write_text(json.dumps(first_round))
+    measured = next(item["messages"][-1]["content"] for item in load_workload("chat")
+                    if item["messages"][-1]["content"].endswith("?") and len(item["messages"][-1]["content"]) < 300)
+    lists = "\n".join(["1. How do I reset my router to factory settings?", f"- {measured}",
+                       "2. Which bank card is safest to use abroad?", "Why is my printer offline again?", "too short?"])
+    asked = []
+
+    def answers(loaded, prompts, temperature=0.0, max_tokens=128):
+        if max_tokens == study.SELF_CHAT_LIST_TOKENS:  # the topic lists
+            asked.extend(loaded.tokenizer.decode(ids) for ids in prompts)
+            return [loaded.encode(lists)] * len(prompts)
+        return [[7, 8, 9]] * len(prompts)
+
+    monkeypatch.setattr(study, "answers", answers)
+    monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
+    study.cmd_collect(argparse.Namespace(
+        work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=5, stdlib_code=0,
+        stdlib_skip=0, store=str(store), stored=False, text_tokens=0, text_seed=0))
+    assert len(asked) == len(study.SELF_CHAT_MORE_TOPICS)
+    assert all(any(topic in ask for ask in asked) for topic in study.SELF_CHAT_MORE_TOPICS)
+    assert not set(study.SELF_CHAT_MORE_TOPICS) & set(study.SELF_CHAT_TOPICS)
+    questions = json.loads((work / "self-chat-more-questions.json").read_text())
+    assert sorted(questions) == ["Which bank card is safest to use abroad?", "Why is my printer offline again?"]
+    written, _ = study.answer_store.load_answers(store / "train-chat-self-more.npz")
+    prompts = [target.tokenizer.decode(ids[:start]) for ids, start in written]
+    assert len(prompts) == 2 and all(any(q in prompt for prompt in prompts) for q in questions)
+    assert len(torch.load(work / "train-chat-self-more.pt")) == 2

@@ -21,7 +21,8 @@ Data recipe (all offline, from what the machine has):
   and code-edit problems 16..79, and TRAIN_CHAT below (questions written for this study, none of chat.jsonl's);
   with --more also to HumanEval and code-edit 80.., and to MORE_CHAT_* (120 more questions), and all of these
   answered once more sampled (temperature 0.7, top-p 0.95); with --self-chat N also to N questions the target
-  wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out); with
+  wrote itself, twenty at a time about each of SELF_CHAT_TOPICS (the measured chat prompts left out), with
+  --self-chat-more N to N more about SELF_CHAT_MORE_TOPICS (none of the first round's); with
   --stdlib-code N to N standard-library functions cut after their docstring (HumanEval's form) and N whole ones
   with an edit to make (code-edit's form), --stdlib-skip M: the next N after the first M (a further batch); with
   --stored to every set kept in data/head-answers;
@@ -155,22 +156,39 @@ SELF_CHAT_TOPICS = [
     "productivity apps", "smart home devices", "software testing", "algorithms and data structures",
     "operating systems and computer hardware",
 ]
+# --self-chat-more: a second round of topics, other than SELF_CHAT_TOPICS' (support chat's kinds first)
+SELF_CHAT_MORE_TOPICS = [
+    "airline bookings, delays and lost luggage", "bank accounts, cards and fraud alerts",
+    "mobile phone plans and roaming", "printer and scanner problems", "email clients and spam",
+    "video calls and conferencing apps", "spreadsheets and Excel formulas", "word processors and formatting documents",
+    "privacy settings on social media", "buying a used car", "renting an apartment and tenants' rights",
+    "insurance policies and claims", "taxes for freelancers", "starting a small business",
+    "marketing a small online shop", "customer service and handling complaints", "writing a resume",
+    "public speaking", "time management", "stress and mental health", "nutrition and meal preparation",
+    "running and fitness training", "photography", "practising a musical instrument", "video games and consoles",
+    "streaming services and setting up a TV", "home routers and networking", "backups and cloud storage",
+    "password managers", "shell scripting and automation", "C and C++ programming", "Java and the JVM",
+    "Rust programming", "TypeScript and frontend frameworks", "Kubernetes in production",
+    "continuous integration and code review", "debugging and reading error messages", "designing and documenting APIs",
+    "mathematics homework", "physics and chemistry explained simply",
+]
 SELF_CHAT_ASK = ("Write 20 different questions or requests that users often send to an AI assistant about {}. Vary "
                  "their length and style. Write one per line, with no numbering and nothing else.")
 SELF_CHAT_LIST_TOKENS = 512
 
 
-def self_chat_questions(loaded, work: Path, wanted: int) -> list[str]:
-    """Up to `wanted` questions the target wrote about SELF_CHAT_TOPICS (greedy, one list a topic), kept in
-    work/self-chat-questions.json; the measured chat prompts and duplicates are left out."""
+def self_chat_questions(loaded, work: Path, wanted: int, topics: list[str] = SELF_CHAT_TOPICS,
+                        name: str = "self-chat-questions", left_out: frozenset[str] = frozenset()) -> list[str]:
+    """Up to `wanted` questions the target wrote about `topics` (greedy, one list a topic), kept in
+    work/NAME.json; the measured chat prompts, `left_out` (lower case) and duplicates are left out."""
     from verispec.bench.workloads import load_workload
 
-    path = work / "self-chat-questions.json"
+    path = work / f"{name}.json"
     if path.exists():
         return json.loads(path.read_text())[:wanted]
-    asks = [{"messages": [{"role": "user", "content": SELF_CHAT_ASK.format(topic)}]} for topic in SELF_CHAT_TOPICS]
+    asks = [{"messages": [{"role": "user", "content": SELF_CHAT_ASK.format(topic)}]} for topic in topics]
     lists = answers(loaded, encoded_prompts(loaded, asks), max_tokens=SELF_CHAT_LIST_TOKENS)
-    measured = {item["messages"][-1]["content"].strip().lower() for item in load_workload("chat")}
+    measured = {item["messages"][-1]["content"].strip().lower() for item in load_workload("chat")} | left_out
     questions, seen = [], set()
     for text in (loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in lists):
         for line in text.splitlines():
@@ -321,6 +339,12 @@ def cmd_collect(args) -> None:
         questions = self_chat_questions(loaded, work, args.self_chat)
         sets["train-chat-self"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
                                                             for q in questions])
+    if args.self_chat_more:  # a second round of topics; none of the first round's questions
+        first = {q.lower() for q in self_chat_questions(loaded, work, 10**6)}
+        questions = self_chat_questions(loaded, work, args.self_chat_more, SELF_CHAT_MORE_TOPICS,
+                                        "self-chat-more-questions", frozenset(first))
+        sets["train-chat-self-more"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
+                                                                 for q in questions])
     if args.stdlib_code:  # standard-library functions to complete and to edit, answered greedily
         completions, edits = answer_store.stdlib_code_items(args.stdlib_code, args.stdlib_skip)
         batch = f"-from{args.stdlib_skip}" if args.stdlib_skip else ""
@@ -1118,6 +1142,9 @@ def main() -> None:
                          help="also HumanEval and code-edit 80.., more chat, and all training prompts answered sampled")
     collect.add_argument("--self-chat", type=int, default=0, metavar="N",
                          help="also N questions the target writes itself (SELF_CHAT_TOPICS), answered greedily")
+    collect.add_argument("--self-chat-more", type=int, default=0, metavar="N",
+                         help="also N questions the target writes itself about SELF_CHAT_MORE_TOPICS, answered "
+                              "greedily (none of --self-chat's)")
     collect.add_argument("--stdlib-code", type=int, default=0, metavar="N",
                          help="N standard-library functions to complete and N to edit, answered greedily")
     collect.add_argument("--stdlib-skip", type=int, default=0, metavar="M",
