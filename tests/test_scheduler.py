@@ -283,6 +283,10 @@ def test_limits_are_enforced(target):
         Scheduler(target, None, "composite")
     with pytest.raises(ValueError, match="uses no draft model"):
         Scheduler(target, target.model, "suffix-index")
+    for bad, match in (({"k": -1}, "k \\(draft tokens per step\\)"), ({"k_max": 0}, "k_max"),
+                       ({"draft_p_min": -0.1}, "draft_p_min is a probability")):
+        with pytest.raises(ValueError, match=match):  # the scheduler's own settings, as a request's are checked
+            Scheduler(target, None, "suffix-index", **bad)
 
 
 def test_controller_speculates_less_when_verification_gets_expensive():

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from verispec.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
+def check_drafting(k: int | str, k_max: int, draft_p_min: float) -> None:
+    """A ValueError that says which drafting setting is wrong and why (a request's, or a scheduler's own)."""
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {k!r}")
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    if not 0.0 <= draft_p_min <= 1.0:
+        raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never end a draft early), got {draft_p_min}")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 128
@@ -30,12 +40,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.k != "auto" and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
-            raise ValueError(f"k (draft tokens per step) must be 'auto' or an integer >= 0, got {self.k!r}")
-        if self.k_max < 1:
-            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
-        if not 0.0 <= self.draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never end a draft early), got {self.draft_p_min}")
+        check_drafting(self.k, self.k_max, self.draft_p_min)
         if self.max_draft_tokens is not None and (
             isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0
         ):

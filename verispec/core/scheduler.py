@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from verispec.config import GenerationConfig
+from verispec.config import GenerationConfig, check_drafting
 from verispec.core.admission import Admission
 from verispec.core.drafting import Drafting
 from verispec.core.lifecycle import Lifecycle
@@ -89,12 +89,7 @@ class Scheduler(Admission, Drafting, Stepping, Lifecycle):
             raise ValueError("drafter 'cross-tokenizer' needs each sequence's drafter (sequence_drafter)")
         if drafter not in MODEL_DRAFTERS and draft_model is not None:
             raise ValueError(f"drafter {drafter!r} uses no draft model; only {' and '.join(MODEL_DRAFTERS)} do")
-        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"k must be 'auto' or an integer >= 0, got {k!r}")
-        if k_max < 1:
-            raise ValueError(f"k_max must be >= 1, got {k_max}")
-        if not 0.0 <= draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min is a probability, 0 to 1 (0: never end a draft early), got {draft_p_min}")
+        check_drafting(k, k_max, draft_p_min)
         for name in ("max_batch_size", "max_waiting", "max_context"):
             if getattr(limits, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
