@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, WINDOW, ChainTally, build_head, head_cost, head_vocab, log, padded_batch, scheduled_lr, time_forward,
+    TARGET, WINDOW, ChainTally, FeatureTap, build_head, head_cost, head_vocab, log, padded_batch, scheduled_lr, time_forward,
     training_pairs, training_sets, write_head,
 )
 
@@ -86,59 +86,6 @@ ARMS = {  # arm -> (the layers it fuses, or () for the last layer's state; train
 # ---------------------------------------------------------------- tap: the target's low, middle and high states
 
 
-class LayerTap:
-    """Teacher-forces ids through the target as study.FeatureTap does (WINDOW-token forwards over one cache), keeping
-    the hidden states after LAYERS. stop=True runs only the layers needed and skips the output head; stop=False
-    runs the whole model and also returns its last hidden state and argmax (for the check against head-work)."""
-
-    def __init__(self, loaded) -> None:
-        from verispec.models.transformer import ACTIVATIONS, rms_norm
-
-        self.model = model = loaded.model
-        self.stop, self.kept, self.last = True, {}, None
-        original_logits = model._logits
-        eps, activation = model.config.rms_norm_eps, ACTIVATIONS[model.config.hidden_act]
-
-        def layers(x, attend, kept=None):  # Transformer._layers, stopping after max(LAYERS) layers when self.stop
-            count = max(LAYERS) if self.stop else len(model.layers)
-            for index, layer in enumerate(model.layers[:count]):
-                attended = layer.out(attend(index, layer.qkv(rms_norm(x, layer.attn_norm, eps))))
-                if layer.post_attn_norm is not None:
-                    attended = rms_norm(attended, layer.post_attn_norm, eps)
-                x = x + attended
-                gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)
-                mixed = layer.down(activation(gate).mul_(up))
-                if layer.post_mlp_norm is not None:
-                    mixed = rms_norm(mixed, layer.post_mlp_norm, eps)
-                x = x + mixed
-                if index + 1 in LAYERS:
-                    self.kept[index + 1] = x.detach().clone()
-            return x
-
-        def logits(x):
-            if self.stop:
-                return x[..., :1].float()  # not used
-            self.last = x.detach()
-            return original_logits(x)
-
-        model._logits, model._layers = logits, layers
-
-    def run(self, ids: list[int], stop: bool = True) -> dict[str, torch.Tensor]:
-        self.stop = stop
-        cache = self.model.new_cache(1, len(ids) + 1)
-        parts = {name: [] for name in ("low", "mid", "high", "features", "argmax")}
-        for start in range(0, len(ids), WINDOW):
-            chunk = ids[start : start + WINDOW]
-            logits = self.model.forward(torch.tensor([chunk]), cache)
-            cache.commit(len(chunk))
-            for name, layer in zip(("low", "mid", "high"), LAYERS):
-                parts[name].append(self.kept[layer][0].to(torch.bfloat16))
-            if not stop:
-                parts["features"].append(self.last[0].to(torch.bfloat16))
-                parts["argmax"].append(logits[0].argmax(-1))
-        return {name: torch.cat(p) for name, p in parts.items() if p}
-
-
 def cmd_tap(args) -> None:
     from verispec.models.loading import load_model
 
@@ -147,7 +94,7 @@ def cmd_tap(args) -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(TARGET, quantize="auto")  # as study.py's cmd_collect
     log(f"target {TARGET} as {loaded.format.label}, keeping the states after layers {LAYERS}")
-    tap = LayerTap(loaded)
+    tap = FeatureTap(loaded, LAYERS)  # the whole forward: its last features and argmax are checked on the first rows
     check = {"rows": 0, "positions": 0, "argmax_agree": 0, "feature_cosine": [], "feature_rel_err": []}
     started, done = time.perf_counter(), 0
     for name in SETS:
@@ -162,7 +109,7 @@ def cmd_tap(args) -> None:
                 log(f"{name}: stopped at {len(out)}/{len(rows)} rows (--text-positions {budget})")
                 break
             checked = check["rows"] < args.check_rows
-            tapped = tap.run(row["ids"].tolist(), stop=not checked)
+            tapped = tap.run(row["ids"].tolist())
             if checked:  # the full forward: does it reproduce what head-work stored?
                 stored, mine = row["features"].float(), tapped["features"].float()
                 check["rows"] += 1
@@ -170,8 +117,9 @@ def cmd_tap(args) -> None:
                 check["argmax_agree"] += int((tapped["argmax"] == row["argmax"]).sum())
                 check["feature_cosine"].append(float(F.cosine_similarity(stored, mine, dim=-1).mean()))
                 check["feature_rel_err"].append(float((stored - mine).norm() / stored.norm()))
+            low, mid, high = (tapped[f"early{layer}"] for layer in LAYERS)
             out.append({"ids": row["ids"], "argmax": row["argmax"], "answer_start": row["answer_start"],
-                        "low": tapped["low"], "mid": tapped["mid"], "high": tapped["high"]})
+                        "low": low, "mid": mid, "high": high})
             done += len(row["ids"])
             if i % args.log_every == 0:
                 log(f"{name}: {i + 1}/{len(rows)} rows, {done} positions in all, "
@@ -602,7 +550,7 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     tap = commands.add_parser("tap")
     tap.add_argument("--text-positions", type=int, default=None, help="tap only about this many of train-text")
-    tap.add_argument("--check-rows", type=int, default=4, help="the first rows run whole and checked")
+    tap.add_argument("--check-rows", type=int, default=4, help="the first rows checked against head-work")
     tap.add_argument("--log-every", type=int, default=10)
     train = commands.add_parser("train")
     train.add_argument("--arm", choices=sorted(ARMS), required=True)
