@@ -65,8 +65,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, WINDOW, ChainTally, FeatureTap, build_head, head_cost, head_vocab, log, padded_batch, scheduled_lr, time_forward,
-    training_pairs, training_sets, write_head,
+    TARGET, WINDOW, ChainTally, FeatureTap, build_head, head_cost, head_file_training, head_vocab, log, padded_batch,
+    scheduled_lr, time_forward, training_pairs, training_sets, write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -540,8 +540,11 @@ def cmd_export(args) -> None:
     about["recipe"] = "benchmarks/draft_head/fused.py"
     about["machine"] = machine_line()
     shipped = json.loads((SHIPPED_HEADS / SHIPPED_MANIFEST).read_text()).get(TARGET)
-    if shipped and saved.get("init") and Path(saved["init"]).resolve() == (SHIPPED_HEADS / shipped["file"]).resolve():
+    init = Path(saved["init"]) if saved.get("init") else None
+    if shipped and init and init.resolve() == (SHIPPED_HEADS / shipped["file"]).resolve():
         about["started_from"] = {"sha256": shipped["sha256"], "trained": shipped["trained"]}  # the head it went on from
+    elif init and init.is_file():  # a head file study.py trained (`make head`'s first part): its runs and data
+        about["started_from"] = {"file": init.name, "trained": head_file_training(init)}
     write_head(head, about, args)
 
 
