@@ -44,11 +44,12 @@ test-fast: install
 # 100k tokens of standard-library text, trains HEAD_MINUTES on this CPU and writes that head over the HEAD_VOCAB
 # ids the target chose most in that data (benchmarks/results/zen4/head-vocab: 16,384 rows cost a draft position 57%
 # of 32,768's on a Zen 4, at the same acceptance). Then fused.py trains it HEAD_TTT_MINUTES more with training-time
-# test (its own drafts fed back over 3 positions, as it drafts) and writes the head file: about 2 h 20 in all (the teacher-forcing about 80 minutes of it). Each
-# step's output is kept in HEAD_WORK (several GB), so a rerun picks up where it stopped. HEAD_FROM=FILE goes on from
-# a head file instead of starting from nothing: the head verispec ships is the head of the runs in heads.json, the
-# last of them this recipe with HEAD_FROM=verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors
-# HEAD_MINUTES=30 HEAD_TTT_MINUTES=15, over the sets kept then (heads.json names them).
+# test (its own drafts fed back over 3 positions, as it drafts) and writes the head file: about 2 h 20 in all, the
+# teacher-forcing about 80 minutes of it. Each step's output is kept in HEAD_WORK (several GB). HEAD_FROM=FILE goes
+# on from a head file instead of starting from nothing: the head verispec ships is the head of the runs in
+# heads.json, the last of them this recipe with
+# HEAD_FROM=verispec/data/heads/qwen2.5-coder-1.5b-instruct.safetensors HEAD_MINUTES=30 HEAD_TTT_MINUTES=15, over
+# the sets kept then (heads.json names them).
 HEAD_WORK ?= $(HOME)/.cache/verispec/head-work
 HEAD_VOCAB ?= 16384
 HEAD_MINUTES ?= 40
@@ -60,8 +61,8 @@ head: models
 		$(if $(HEAD_FROM),--init-file $(HEAD_FROM))
 	$(PY) benchmarks/draft_head/study.py export --work $(HEAD_WORK) --threads $(THREADS) --vocab-rows $(HEAD_VOCAB) \
 		--weights int8 --out $(HEAD_WORK)/chain-head.safetensors
-	$(PY) benchmarks/draft_head/fused.py train --work $(HEAD_WORK) --arm last-ttt --init $(HEAD_WORK)/chain-head.safetensors \
-		--lr 1e-4 --minutes $(HEAD_TTT_MINUTES) --threads $(THREADS) --tag ttt
+	$(PY) benchmarks/draft_head/fused.py train --work $(HEAD_WORK) --arm last-ttt --tag ttt \
+		--init $(HEAD_WORK)/chain-head.safetensors --lr 1e-4 --minutes $(HEAD_TTT_MINUTES) --threads $(THREADS)
 	$(PY) benchmarks/draft_head/fused.py export --work $(HEAD_WORK) --tag ttt --weights int8 --threads $(THREADS)
 
 # The head `make head` trained, as the one verispec ships for the default target (verispec/data/heads, its sha256 in
