@@ -119,9 +119,10 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
 
     monkeypatch.setattr(study, "answers", answers)
     monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
-    study.cmd_collect(argparse.Namespace(
+    args = argparse.Namespace(
         work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=5, stdlib_code=0,
-        stdlib_skip=0, store=str(store), stored=False, text_tokens=0, text_seed=0))
+        stdlib_skip=0, store=str(store), stored=False, text_tokens=0, text_seed=0)
+    study.cmd_collect(args)
     assert len(asked) == len(study.SELF_CHAT_MORE_TOPICS)
     assert all(any(topic in ask for ask in asked) for topic in study.SELF_CHAT_MORE_TOPICS)
     assert not set(study.SELF_CHAT_MORE_TOPICS) & set(study.SELF_CHAT_TOPICS)
@@ -131,3 +132,12 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
     prompts = [target.tokenizer.decode(ids[:start]) for ids, start in written]
     assert len(prompts) == 2 and all(any(q in prompt for prompt in prompts) for q in questions)
     assert len(torch.load(work / "train-chat-self-more.pt")) == 2
+
+    # On a machine that has only the kept answers, the same command writes no questions: it teacher-forces them.
+    for name in ("train-chat-self-more.pt", "self-chat-more-questions.json", "self-chat-questions.json"):
+        (work / name).unlink()
+    asked.clear()
+    study.cmd_collect(args)
+    assert asked == [] and not (work / "self-chat-more-questions.json").exists()
+    tapped = torch.load(work / "train-chat-self-more.pt")
+    assert [(row["ids"].tolist(), row["answer_start"]) for row in tapped] == written

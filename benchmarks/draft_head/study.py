@@ -283,6 +283,11 @@ def encoded_prompts(loaded, items: list[dict]) -> list[list[int]]:
     return [loaded.encode(render_prompt(loaded.tokenizer, item)) for item in items]
 
 
+def encoded_questions(loaded, questions: list[str]) -> list[list[int]]:
+    """Chat questions as the target reads them: each one user message, in its chat template."""
+    return encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]} for q in questions])
+
+
 def corpus_windows(tokenizer, tokens_wanted: int, seed: int = 0) -> list[list[int]]:
     from verispec.drafters.draft_vocab import corpus_files
 
@@ -326,31 +331,33 @@ def cmd_collect(args) -> None:
         sets[f"eval-{name}"] = encoded_prompts(loaded, items[:MEASURED])
         if name != "chat":
             sets[f"train-{name}"] = encoded_prompts(loaded, items[TRAIN_PROMPTS])
-    sets["train-chat"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]} for q in TRAIN_CHAT])
+    sets["train-chat"] = encoded_questions(loaded, TRAIN_CHAT)
     temperatures = {}
     if args.more:  # the rest of HumanEval and code-edit, more chat, and every training prompt answered sampled too
         for name in ("humaneval", "code-edit"):
             sets[f"train-{name}-more"] = encoded_prompts(loaded, load_workload(name)[TRAIN_PROMPTS.stop :])
-        chat = [{"messages": [{"role": "user", "content": q}]} for q in TRAIN_CHAT + more_chat_prompts()]
-        sets["train-chat-more"] = encoded_prompts(loaded, chat)[len(TRAIN_CHAT) :]
+        sets["train-chat-more"] = encoded_questions(loaded, TRAIN_CHAT + more_chat_prompts())[len(TRAIN_CHAT) :]
         for name in [n for n in sets if n.startswith("train-")]:
             sets[f"{name}-sampled"], temperatures[f"{name}-sampled"] = sets[name], 0.7
+    store = Path(args.store) if args.store else None
+
+    def written(name: str) -> bool:  # collected here, or its answers kept: no questions to write for it
+        return (work / f"{name}.pt").exists() or bool(store and (store / f"{name}.npz").exists())
+
     if args.self_chat:  # questions the target writes, answered greedily
-        questions = self_chat_questions(loaded, work, args.self_chat)
-        sets["train-chat-self"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
-                                                            for q in questions])
+        sets["train-chat-self"] = None if written("train-chat-self") else encoded_questions(
+            loaded, self_chat_questions(loaded, work, args.self_chat))
     if args.self_chat_more:  # a second round of topics; none of the first round's questions
-        first = {q.lower() for q in self_chat_questions(loaded, work, 10**6)}
-        questions = self_chat_questions(loaded, work, args.self_chat_more, SELF_CHAT_MORE_TOPICS,
-                                        "self-chat-more-questions", frozenset(first))
-        sets["train-chat-self-more"] = encoded_prompts(loaded, [{"messages": [{"role": "user", "content": q}]}
-                                                                 for q in questions])
+        sets["train-chat-self-more"] = None
+        if not written("train-chat-self-more"):
+            first = {q.lower() for q in self_chat_questions(loaded, work, 10**6)}
+            sets["train-chat-self-more"] = encoded_questions(loaded, self_chat_questions(
+                loaded, work, args.self_chat_more, SELF_CHAT_MORE_TOPICS, "self-chat-more-questions", frozenset(first)))
     if args.stdlib_code:  # standard-library functions to complete and to edit, answered greedily
         completions, edits = answer_store.stdlib_code_items(args.stdlib_code, args.stdlib_skip)
         batch = f"-from{args.stdlib_skip}" if args.stdlib_skip else ""
         sets[f"train-stdlib-complete{batch}"] = encoded_prompts(loaded, completions)
         sets[f"train-stdlib-edit{batch}"] = encoded_prompts(loaded, edits)
-    store = Path(args.store) if args.store else None
     if store and args.stored:  # every kept set, whether or not these options name it
         sets |= {name: None for name in answer_store.stored_sets(store) if name not in sets}
     for name, prompts in sets.items():
