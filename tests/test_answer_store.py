@@ -73,7 +73,7 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
 
     monkeypatch.setattr(study, "answers", answers)
     args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=0,
-                              stdlib_code=0, stdlib_skip=0, store=str(store), stored=True, text_tokens=0, text_seed=0)
+                              stdlib_code=0, stdlib_skip=0, sampled_again=[], store=str(store), stored=True, text_tokens=0, text_seed=0)
     study.cmd_collect(args)
     for name, rows in (("train-chat", kept), ("train-stdlib-edit", kept[1:])):  # named by --stored only: the second
         tapped = torch.load(work / f"{name}.pt")
@@ -121,7 +121,7 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
     monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
     args = argparse.Namespace(
         work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=5, stdlib_code=0,
-        stdlib_skip=0, store=str(store), stored=False, text_tokens=0, text_seed=0)
+        stdlib_skip=0, sampled_again=[], store=str(store), stored=False, text_tokens=0, text_seed=0)
     study.cmd_collect(args)
     assert len(asked) == len(study.SELF_CHAT_MORE_TOPICS)
     assert all(any(topic in ask for ask in asked) for topic in study.SELF_CHAT_MORE_TOPICS)
@@ -141,3 +141,41 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
     assert asked == [] and not (work / "self-chat-more-questions.json").exists()
     tapped = torch.load(work / "train-chat-self-more.pt")
     assert [(row["ids"].tolist(), row["answer_start"]) for row in tapped] == written
+
+
+def test_sampled_again_answers_a_kept_sets_prompts_once_more_sampled_and_refuses_an_unknown_set(
+    study, target, tmp_path, monkeypatch
+):
+    work, store = tmp_path / "work", tmp_path / "store"
+    work.mkdir()
+    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-chat",
+                 "train-text"):
+        torch.save([], work / f"{name}.pt")
+    kept = [([11, 12, 13, 14, 15], 3), ([21, 22, 23], 2)]
+    study.answer_store.save_answers(store / "train-chat-self.npz", kept, {"machine": "zen4", "temperature": 0.0})
+    asked = []
+
+    def answers(loaded, prompts, temperature=0.0, max_tokens=128):
+        asked.append((prompts, temperature))
+        return [[7, 8, 9 + i] for i in range(len(prompts))]
+
+    monkeypatch.setattr(study, "answers", answers)
+    monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
+    args = argparse.Namespace(
+        work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=0, stdlib_code=0,
+        stdlib_skip=0, sampled_again=["train-chat-self"], store=str(store), stored=False, text_tokens=0, text_seed=0)
+    study.cmd_collect(args)
+    assert asked == [([[11, 12, 13], [21, 22]], study.SAMPLED_TEMPERATURE)]  # the kept prompts, not their answers
+    written, about = study.answer_store.load_answers(store / "train-chat-self-sampled.npz")
+    assert written == [([11, 12, 13, 7, 8, 9], 3), ([21, 22, 7, 8, 10], 2)]
+    assert about["temperature"] == study.SAMPLED_TEMPERATURE
+    assert len(torch.load(work / "train-chat-self-sampled.pt")) == 2
+    assert not (work / "train-chat-self.pt").exists()  # the set it answers again is only read
+
+    asked.clear()  # written once: kept, and not asked again
+    (work / "train-chat-self-sampled.pt").unlink()
+    study.cmd_collect(args)
+    assert asked == [] and len(torch.load(work / "train-chat-self-sampled.pt")) == 2
+    for unknown in ("train-chat-never-kept", "eval-chat"):
+        with pytest.raises(SystemExit, match=f"--sampled-again {unknown}: not a kept training set.*train-chat-self"):
+            study.cmd_collect(argparse.Namespace(**vars(args) | {"sampled_again": [unknown]}))

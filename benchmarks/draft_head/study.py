@@ -25,6 +25,7 @@ Data recipe (all offline, from what the machine has):
   --self-chat-more N to N more about SELF_CHAT_MORE_TOPICS (none of the first round's); with
   --stdlib-code N to N standard-library functions cut after their docstring (HumanEval's form) and N whole ones
   with an edit to make (code-edit's form), --stdlib-skip M: the next N after the first M (a further batch); with
+  --sampled-again SET... each kept SET's prompts answered once more sampled (SET-sampled); with
   --stored to every set kept in data/head-answers;
 - measured: the first 16 prompts of humaneval, chat and code-edit, as bench-serve uses them, answered by the
   target greedily; each evaluated position sees the target's true features before it, as a drafter would.
@@ -172,6 +173,7 @@ SELF_CHAT_MORE_TOPICS = [
     "continuous integration and code review", "debugging and reading error messages", "designing and documenting APIs",
     "mathematics homework", "physics and chemistry explained simply",
 ]
+SAMPLED_TEMPERATURE = 0.7  # the -sampled sets' answers (top-p 0.95)
 SELF_CHAT_ASK = ("Write 20 different questions or requests that users often send to an AI assistant about {}. Vary "
                  "their length and style. Write one per line, with no numbering and nothing else.")
 SELF_CHAT_LIST_TOKENS = 512
@@ -338,7 +340,7 @@ def cmd_collect(args) -> None:
             sets[f"train-{name}-more"] = encoded_prompts(loaded, load_workload(name)[TRAIN_PROMPTS.stop :])
         sets["train-chat-more"] = encoded_questions(loaded, TRAIN_CHAT + more_chat_prompts())[len(TRAIN_CHAT) :]
         for name in [n for n in sets if n.startswith("train-")]:
-            sets[f"{name}-sampled"], temperatures[f"{name}-sampled"] = sets[name], 0.7
+            sets[f"{name}-sampled"], temperatures[f"{name}-sampled"] = sets[name], SAMPLED_TEMPERATURE
     store = Path(args.store) if args.store else None
 
     def written(name: str) -> bool:  # collected here, or its answers kept: no questions to write for it
@@ -358,6 +360,14 @@ def cmd_collect(args) -> None:
         batch = f"-from{args.stdlib_skip}" if args.stdlib_skip else ""
         sets[f"train-stdlib-complete{batch}"] = encoded_prompts(loaded, completions)
         sets[f"train-stdlib-edit{batch}"] = encoded_prompts(loaded, edits)
+    for name in args.sampled_again:  # a kept set's prompts answered once more, sampled: new text, the same questions
+        source = store / f"{name}.npz" if store else None
+        if not (name.startswith("train-") and source and source.exists()):
+            raise SystemExit(f"--sampled-again {name}: not a kept training set; kept in {store}: "
+                             f"{', '.join(answer_store.stored_sets(store)) if store else 'none'}")
+        again = f"{name}-sampled"
+        temperatures[again] = SAMPLED_TEMPERATURE
+        sets[again] = None if written(again) else [ids[:start] for ids, start in answer_store.load_answers(source)[0]]
     if store and args.stored:  # every kept set, whether or not these options name it
         sets |= {name: None for name in answer_store.stored_sets(store) if name not in sets}
     for name, prompts in sets.items():
@@ -412,7 +422,7 @@ def cmd_keep(args) -> None:
     loaded = load_model(TARGET, quantize="auto")  # its format: what wrote them, when they were collected here
     for name in missing:
         rows = [(row["ids"].tolist(), int(row["answer_start"])) for row in torch.load(work / f"{name}.pt", mmap=True)]
-        temperature = 0.7 if name.endswith("-sampled") else 0.0
+        temperature = SAMPLED_TEMPERATURE if name.endswith("-sampled") else 0.0
         answer_store.save_answers(store / f"{name}.npz", rows, answers_about(loaded, temperature))
         log(f"{name}: {len(rows)} answers kept in {store}")
 
@@ -1156,6 +1166,8 @@ def main() -> None:
                          help="N standard-library functions to complete and N to edit, answered greedily")
     collect.add_argument("--stdlib-skip", type=int, default=0, metavar="M",
                          help="with --stdlib-code: after the first M of each (a further batch: train-stdlib-*-fromM)")
+    collect.add_argument("--sampled-again", nargs="+", default=[], metavar="SET",
+                         help="also each kept SET's prompts answered once more, sampled (temperature 0.7): SET-sampled")
     collect.add_argument("--store", default=str(answer_store.STORE),
                          help="where answer sets are kept as token ids: a kept set is only teacher-forced ('': none)")
     collect.add_argument("--stored", action="store_true", help="teacher-force every kept set in --store as well")
