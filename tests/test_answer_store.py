@@ -19,6 +19,25 @@ def store_module():
     return benchmark_script("answer_store", folder="draft_head")
 
 
+def collected_before(tmp_path, *names: str):
+    """A work folder in which the eval sets, the first training sets and `names` were collected before (left as they
+    are), and the store beside it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-text",
+                 *names):
+        torch.save([], work / f"{name}.pt")
+    return work, tmp_path / "store"
+
+
+def collect_args(work, store, **chosen) -> argparse.Namespace:
+    """study.py collect's arguments: the first sets only, but for what `chosen` says."""
+    return argparse.Namespace(**{
+        "work": str(work), "threads": 1, "early_layers": [], "more": False, "self_chat": 0, "self_chat_more": 0,
+        "stdlib_code": 0, "stdlib_skip": 0, "sampled_again": [], "store": str(store), "stored": False,
+        "text_tokens": 0, "text_seed": 0} | chosen)
+
+
 def test_a_kept_set_comes_back_as_written_and_a_damaged_one_is_refused(store_module, tmp_path):
     rows = [([5, 6, 7, 151_000, 9], 3), ([1, 2], 2), ([4, 3, 2, 1, 0, 8], 1)]
     path = tmp_path / "train-a.npz"
@@ -57,10 +76,7 @@ def test_stdlib_code_prompts_are_functions_to_complete_and_to_edit_in_a_fixed_or
 
 
 def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, target, tmp_path, monkeypatch):
-    work, store = tmp_path / "work", tmp_path / "store"
-    work.mkdir()
-    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-text"):
-        torch.save([], work / f"{name}.pt")  # collected before: left as they are
+    work, store = collected_before(tmp_path)
     vocab = target.model.vocab_size
     generator = torch.Generator().manual_seed(4)
     kept = [(torch.randint(0, vocab, (n,), generator=generator).tolist(), start) for n, start in ((30, 12), (9, 4))]
@@ -72,8 +88,7 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
         assert False, "a kept set was written again"
 
     monkeypatch.setattr(study, "answers", answers)
-    args = argparse.Namespace(work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=0,
-                              stdlib_code=0, stdlib_skip=0, sampled_again=[], store=str(store), stored=True, text_tokens=0, text_seed=0)
+    args = collect_args(work, store, stored=True)
     study.cmd_collect(args)
     for name, rows in (("train-chat", kept), ("train-stdlib-edit", kept[1:])):  # named by --stored only: the second
         tapped = torch.load(work / f"{name}.pt")
@@ -86,7 +101,7 @@ def test_collect_teacher_forces_a_kept_set_and_keeps_a_set_it_writes(study, targ
     (work / "train-chat.pt").unlink()
     (store / "train-chat.npz").unlink()
     monkeypatch.setattr(study, "answers", lambda loaded, prompts, temperature=0.0: [[7, 8, 9]] * len(prompts))
-    study.cmd_collect(argparse.Namespace(**vars(args) | {"stored": False}))
+    study.cmd_collect(collect_args(work, store))
     written, about = study.answer_store.load_answers(store / "train-chat.npz")
     assert len(written) == len(study.TRAIN_CHAT) and all(ids[start:] == [7, 8, 9] for ids, start in written)
     assert about["temperature"] == 0.0 and about["target"] == study.TARGET
@@ -98,11 +113,7 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
 ):
     from verispec.bench.workloads import load_workload
 
-    work, store = tmp_path / "work", tmp_path / "store"
-    work.mkdir()
-    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-chat",
-                 "train-text"):
-        torch.save([], work / f"{name}.pt")
+    work, store = collected_before(tmp_path, "train-chat")
     first_round = ["How do I reset my router to factory settings?"]
     (work / "self-chat-questions.json").write_text(json.dumps(first_round))
     measured = next(item["messages"][-1]["content"] for item in load_workload("chat")
@@ -119,9 +130,7 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
 
     monkeypatch.setattr(study, "answers", answers)
     monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
-    args = argparse.Namespace(
-        work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=5, stdlib_code=0,
-        stdlib_skip=0, sampled_again=[], store=str(store), stored=False, text_tokens=0, text_seed=0)
+    args = collect_args(work, store, self_chat_more=5)
     study.cmd_collect(args)
     assert len(asked) == len(study.SELF_CHAT_MORE_TOPICS)
     assert all(any(topic in ask for ask in asked) for topic in study.SELF_CHAT_MORE_TOPICS)
@@ -146,11 +155,7 @@ def test_self_chat_more_asks_new_topics_and_leaves_out_the_first_rounds_and_meas
 def test_sampled_again_answers_a_kept_sets_prompts_once_more_sampled_and_refuses_an_unknown_set(
     study, target, tmp_path, monkeypatch
 ):
-    work, store = tmp_path / "work", tmp_path / "store"
-    work.mkdir()
-    for name in ("eval-humaneval", "eval-chat", "eval-code-edit", "train-humaneval", "train-code-edit", "train-chat",
-                 "train-text"):
-        torch.save([], work / f"{name}.pt")
+    work, store = collected_before(tmp_path, "train-chat")
     kept = [([11, 12, 13, 14, 15], 3), ([21, 22, 23], 2)]
     study.answer_store.save_answers(store / "train-chat-self.npz", kept, {"machine": "zen4", "temperature": 0.0})
     asked = []
@@ -161,9 +166,7 @@ def test_sampled_again_answers_a_kept_sets_prompts_once_more_sampled_and_refuses
 
     monkeypatch.setattr(study, "answers", answers)
     monkeypatch.setattr("verispec.models.loading.load_model", lambda *a, **k: target)
-    args = argparse.Namespace(
-        work=str(work), threads=1, early_layers=[], more=False, self_chat=0, self_chat_more=0, stdlib_code=0,
-        stdlib_skip=0, sampled_again=["train-chat-self"], store=str(store), stored=False, text_tokens=0, text_seed=0)
+    args = collect_args(work, store, sampled_again=["train-chat-self"])
     study.cmd_collect(args)
     assert asked == [([[11, 12, 13], [21, 22]], study.SAMPLED_TEMPERATURE)]  # the kept prompts, not their answers
     written, about = study.answer_store.load_answers(store / "train-chat-self-sampled.npz")
@@ -178,4 +181,4 @@ def test_sampled_again_answers_a_kept_sets_prompts_once_more_sampled_and_refuses
     assert asked == [] and len(torch.load(work / "train-chat-self-sampled.pt")) == 2
     for unknown in ("train-chat-never-kept", "eval-chat"):
         with pytest.raises(SystemExit, match=f"--sampled-again {unknown}: not a kept training set.*train-chat-self"):
-            study.cmd_collect(argparse.Namespace(**vars(args) | {"sampled_again": [unknown]}))
+            study.cmd_collect(collect_args(work, store, sampled_again=[unknown]))
