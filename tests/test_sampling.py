@@ -6,9 +6,12 @@ import math
 
 import pytest
 import torch
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from verispec import sampling
 from verispec.sampling import SamplingParams, draw, logits_to_probs, sample
 
 PROBS_4 = torch.tensor([0.4, 0.3, 0.2, 0.1])  # (V,) a reference distribution with distinct values
@@ -124,6 +127,55 @@ def test_top_k_keeps_ties_at_the_boundary() -> None:
 
 # ---- top-p ----------------------------------------------------------------------------------
 
+
+
+def top_p_kept(scores: torch.Tensor, top_p: float, candidates: int) -> torch.Tensor:
+    """(..., V) bool: the tokens top-p keeps when it ranks the `candidates` highest scores first."""
+    with mock.patch.object(sampling, "TOP_P_CANDIDATES", candidates):
+        return sampling._top_p(scores, top_p).isfinite()
+
+
+def test_top_p_from_the_highest_scores_keeps_what_sorting_the_whole_row_keeps() -> None:
+    """The fast path (the highest scores ranked alone) against the whole row sorted: ties cut at any place, -inf
+    scores, and rows whose candidates hold too little (sorted whole) beside rows that do not, in one batch."""
+    generator = torch.Generator().manual_seed(7)
+    peaked = torch.randn(8, 500, generator=generator) * 5  # (B, V) a few tokens hold most of the mass
+    tied = (torch.randn(8, 500, generator=generator) * 3).round()  # (B, V) ties at every score
+    tied[:, torch.randperm(500, generator=generator)[:12]] = 9.0  # twelve tokens tie for the top, scattered
+    flat = torch.randn(4, 500, generator=generator) * 0.05  # (B, V) the 32 highest hold about 6%
+    masked = peaked.masked_fill(torch.rand(8, 500, generator=generator) < 0.9, float("-inf"))  # after top-k
+    found = {True: 0, False: 0}
+    among_candidates = sampling._top_p_among_candidates
+
+    def counted(*args):
+        kept = among_candidates(*args)
+        found[kept is not None] += 1
+        return kept
+
+    with mock.patch.object(sampling, "_top_p_among_candidates", counted):
+        for rows in (peaked, tied, flat, masked, torch.cat([peaked, flat]), tied[0]):
+            for top_p in (0.05, 0.3, 0.8, 0.95, 0.999):
+                whole = top_p_kept(rows, top_p, 10**9)
+                assert torch.equal(top_p_kept(rows, top_p, 32), whole), (rows.shape, top_p)
+                assert torch.equal(top_p_kept(rows, top_p, 1), whole)
+    assert found[True] >= 15 and found[False] >= 15, found  # both ways were taken
+    assert top_p_kept(tied, 0.3, 32).sum(-1).min() >= 1
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    values=st.lists(st.sampled_from([-math.inf, -3.0, 0.0, 0.5, 1.0, 2.0, 7.0]) | st.floats(-20, 20), min_size=2,
+                    max_size=12),
+    top_p=st.floats(0.01, 0.999),
+    candidates=st.integers(1, 11),
+)
+def test_top_p_keeps_the_same_tokens_however_many_candidates_it_ranks_first(
+    values: list[float], top_p: float, candidates: int
+) -> None:
+    scores = torch.tensor(values)  # (V,) ties and -inf drawn often
+    if not scores.isfinite().any():
+        scores[0] = 0.0
+    assert torch.equal(top_p_kept(scores, top_p, candidates), top_p_kept(scores, top_p, 10**9))
 
 @pytest.mark.parametrize(
     ("top_p", "kept"),
