@@ -7,7 +7,10 @@ did (their records: rows decoding, prompt chunks).
 
 With --p-min P the two are the defaults and the defaults with `--draft-p-min P` (benchmarks/results/zen4/draft-p-min).
 With --torch-head-attention they are the defaults whose head attends in torch's masked attention (as before
-verispec's attention kernel took the head's, benchmarks/results/zen4/head-attention) and the defaults.
+verispec's attention kernel took the head's, benchmarks/results/zen4/head-attention) and the defaults. With --top-p P
+every request samples (temperature 0.7, top-p P, its own seed) and the two are top-p over the whole vocabulary sorted
+(as before sampling.TOP_P_CANDIDATES) and top-p as it runs now, both plain or both the defaults (--top-p-with); they
+keep the same tokens, so plain's outputs must be equal (the defaults' k follows timing, and sampled outputs with it).
 
 A closed loop, as `verispec bench-serve` runs: `clients` requests go in at once and each one that finishes is
 followed by the next, until every prompt ran `repeat` times; greedy, 128 new tokens; chunked prefill, as `verispec
@@ -28,7 +31,9 @@ from verispec import GenerationConfig
 from verispec.bench.workloads import load_workload, render_prompt
 from verispec.core import StepRecord
 from verispec.drafters import HEAD_DRAFT, draft_head, load_head
+from verispec import sampling
 from verispec.models.loading import load_model
+from verispec.sampling import SamplingParams
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -36,9 +41,9 @@ WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 
 
 def closed_loop(
-    target, head, prompts: list[list[int]], clients: int, defaults: bool, p_min: float = 0.0
+    target, head, prompts: list[list[int]], clients: int, defaults: bool, p_min: float = 0.0, top_p: float | None = None
 ) -> tuple[float, list, str]:
-    """(tokens per second, each request's tokens, what the steps did) of one run."""
+    """(tokens per second, each request's tokens, what the steps did) of one run: greedy, or with top_p sampled."""
     scheduler = Scheduler(
         target, draft_model=head if defaults else None, drafter="composite" if defaults else "none", k="auto",
         limits=SchedulerLimits(max_batch_size=clients, max_context=2048), chunked_prefill=True, synchronous=True,
@@ -47,13 +52,19 @@ def closed_loop(
     steps: list[StepRecord] = []
     scheduler.step_observers.append(steps.append)
     waiting = list(prompts)
-    config = GenerationConfig(max_new_tokens=128)
-    handles = [scheduler.submit(waiting.pop(0), config) for _ in range(min(clients, len(waiting)))]
+    sampled = SamplingParams(temperature=0.7, top_p=top_p) if top_p is not None else SamplingParams()
+
+    def submit() -> None:  # the next prompt, with its own seed: the same draws in every run
+        handles.append(scheduler.submit(waiting.pop(0), GenerationConfig(max_new_tokens=128, sampling=sampled, seed=len(handles))))
+
+    handles = []
+    for _ in range(min(clients, len(waiting))):
+        submit()
     started = time.perf_counter()
     while True:
         busy = scheduler.run_once()
         while waiting and scheduler.num_active + scheduler.num_waiting < clients:
-            handles.append(scheduler.submit(waiting.pop(0), config))
+            submit()
         if not busy and not waiting and not scheduler.num_active + scheduler.num_waiting:  # all submitted ran
             break
     seconds = time.perf_counter() - started
@@ -92,6 +103,10 @@ def main() -> None:
                         help="compare the defaults with the defaults at this --draft-p-min, not plain with the defaults")
     parser.add_argument("--torch-head-attention", action="store_true",
                         help="compare the defaults whose head attends in torch with the defaults")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sampled at this top-p: compare top-p over the whole sorted vocabulary with top-p now")
+    parser.add_argument("--top-p-with", choices=("plain", "defaults"), default="defaults",
+                        help="with --top-p: the decoding both arms run")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model(TARGET, "auto", False, "auto")
@@ -99,30 +114,41 @@ def main() -> None:
     source = args.workload if args.workload in ("humaneval", "chat") else str(WORKLOADS / f"{args.workload}.jsonl")
     items = load_workload(source, args.limit)
     prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items] * args.repeat
-    # (name, drafting, p_min, head attention in verispec's kernel where it runs): the baseline, then the one
-    # measured against it
-    arms = [("plain", False, 0.0, True), ("defaults", True, 0.0, True)]
+    # (name, drafting, p_min, head attention in verispec's kernel where it runs, top-p's candidates): the baseline,
+    # then the one measured against it
+    candidates = sampling.TOP_P_CANDIDATES
+    arms = [("plain", False, 0.0, True, candidates), ("defaults", True, 0.0, True, candidates)]
     if args.p_min is not None:
-        arms = [("defaults", True, 0.0, True), (f"defaults at p-min {args.p_min}", True, args.p_min, True)]
+        arms = [("defaults", True, 0.0, True, candidates),
+                (f"defaults at p-min {args.p_min}", True, args.p_min, True, candidates)]
     if args.torch_head_attention:
-        arms = [("defaults, head attention in torch", True, 0.0, False), ("defaults", True, 0.0, True)]
+        arms = [("defaults, head attention in torch", True, 0.0, False, candidates),
+                ("defaults", True, 0.0, True, candidates)]
+    if args.top_p is not None:
+        drafting = args.top_p_with == "defaults"
+        arms = [(f"{args.top_p_with}, top-p by a whole sort", drafting, 0.0, True, 10**9),
+                (f"{args.top_p_with}, top-p now", drafting, 0.0, True, candidates)]
+    compared_as_sampled_defaults = args.top_p is not None and args.top_p_with == "defaults"
     kernel_runs = draft_head.attention_kernel_runs
     figures: dict[str, list[float]] = {name: [] for name, *_ in arms}
     first_outputs = None
     for round_ in range(args.rounds):
-        for name, drafting, p_min, head_kernel in (arms if round_ % 2 == 0 else arms[::-1]):
+        for name, drafting, p_min, head_kernel, top_p_candidates in (arms if round_ % 2 == 0 else arms[::-1]):
             draft_head.attention_kernel_runs = kernel_runs if head_kernel else lambda head_dim, dtype: False
-            rate, outputs, what = closed_loop(target, head, prompts, args.clients, drafting, p_min)
+            sampling.TOP_P_CANDIDATES = top_p_candidates
+            rate, outputs, what = closed_loop(target, head, prompts, args.clients, drafting, p_min, args.top_p)
             figures[name].append(rate)
             print(f"round {round_} {name}: {rate:.2f} tok/s; {what}", flush=True)
             first_outputs = first_outputs or outputs
-            if outputs != first_outputs:
-                raise SystemExit(f"round {round_}: {name}'s outputs differ from the other's (greedy: both plain's)")
+            if outputs != first_outputs and not compared_as_sampled_defaults:
+                raise SystemExit(f"round {round_}: {name}'s outputs differ from the other's (greedy: both plain's; "
+                                 "sampled: the same draws from the same distributions)")
     (base, *_), (other, *_) = arms
     ratios = [b / a for a, b in zip(figures[base], figures[other])]
     print(f"{args.workload}, {args.clients} clients: {base} {statistics.median(figures[base]):.2f} tok/s, {other} "
           f"{statistics.median(figures[other]):.2f}; ratios {', '.join(f'{r:.3f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.3f}; outputs equal")
+          f"median {statistics.median(ratios):.3f}; outputs "
+          f"{'not compared (sampled, k chosen by timing)' if compared_as_sampled_defaults else 'equal'}")
 
 
 if __name__ == "__main__":
