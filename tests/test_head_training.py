@@ -138,3 +138,12 @@ def test_train_init_file_goes_on_from_a_head_files_weights_and_vocabulary(study,
     for name, tensor in started.state_dict().items():
         if name in saved["state"]:
             assert torch.equal(saved["state"][name], tensor), name
+
+    # A head fused.py exported (`make head`'s last part, the one shipped): its whole record goes on, with the head
+    # it started from, so the shipped head's history is not cut off.
+    ttt_record = {"arm": "last-ttt", "minutes": 20, "recipe": "benchmarks/draft_head/fused.py",
+                  "started_from": {"file": "chain-head.safetensors", "trained": {"runs": [{"minutes": 40}]}}}
+    save_head(trainable_head(target, seed=8, vocab=torch.arange(0, vocab_size, 3)), path, target.name,
+              about=ttt_record)
+    study.cmd_train(args)
+    assert torch.load(tmp_path / "head.pt")["runs"][0] == {"from": path.name, **ttt_record}
