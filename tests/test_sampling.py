@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-import pytest
-import torch
 from unittest import mock
 
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,7 +128,6 @@ def test_top_k_keeps_ties_at_the_boundary() -> None:
 # ---- top-p ----------------------------------------------------------------------------------
 
 
-
 def top_p_kept(scores: torch.Tensor, top_p: float, candidates: int) -> torch.Tensor:
     """(..., V) bool: the tokens top-p keeps when it ranks the `candidates` highest scores first."""
     with mock.patch.object(sampling, "TOP_P_CANDIDATES", candidates):
@@ -176,6 +175,7 @@ def test_top_p_keeps_the_same_tokens_however_many_candidates_it_ranks_first(
     if not scores.isfinite().any():
         scores[0] = 0.0
     assert torch.equal(top_p_kept(scores, top_p, candidates), top_p_kept(scores, top_p, 10**9))
+
 
 @pytest.mark.parametrize(
     ("top_p", "kept"),

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from verispec import GenerationConfig
+from verispec import GenerationConfig, sampling
 from verispec.bench.workloads import load_workload, render_prompt
 from verispec.core import StepRecord
 from verispec.drafters import HEAD_DRAFT, draft_head, load_head
-from verispec import sampling
 from verispec.models.loading import load_model
 from verispec.sampling import SamplingParams
 from verispec.serving.scheduler import Scheduler, SchedulerLimits
@@ -55,7 +54,8 @@ def closed_loop(
     sampled = SamplingParams(temperature=0.7, top_p=top_p) if top_p is not None else SamplingParams()
 
     def submit() -> None:  # the next prompt, with its own seed: the same draws in every run
-        handles.append(scheduler.submit(waiting.pop(0), GenerationConfig(max_new_tokens=128, sampling=sampled, seed=len(handles))))
+        config = GenerationConfig(max_new_tokens=128, sampling=sampled, seed=len(handles))
+        handles.append(scheduler.submit(waiting.pop(0), config))
 
     handles = []
     for _ in range(min(clients, len(waiting))):
