@@ -133,6 +133,29 @@ def test_no_probes_when_cost_alone_rules_drafting_out():
     assert probes(1, costly_verify, {1: 0.02, 16: 0.2}) == 5  # a single sequence still probes
 
 
+@pytest.mark.parametrize("stalled", ["drafting", "after the forward"])
+def test_one_slow_first_drafting_step_does_not_end_probing(stalled):
+    """A first drafting step stalled 5 ms (a busy machine; a plain step takes 0.6 ms) is measured once, in a draft
+    position's cost or in the step's overhead, and no drafting step measures it again: the costs alone must not rule
+    drafting out on it, else no probe ever comes (a drafter that never agreed, on the tiny model in a full suite on a
+    Zen 4: {3: 1, 0: 199}, no probe in 199 plain steps)."""
+    controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=8))
+    controller.seed({1: 0.4e-3, 2: 0.43e-3, 4: 0.45e-3, 8: 0.5e-3})  # the tiny model's forwards, flat
+    chosen = []
+    for step in range(200):
+        k = controller.choose_k(source="never-agrees")
+        chosen.append(k)
+        stall = 5e-3 if step == 0 else 0.0
+        draft = 4e-6 * k + (stall if stalled == "drafting" else 0.0) if k else 0.0
+        verify = 0.4e-3 + 1e-5 * k
+        controller.observe_forward(k + 1, verify)
+        controller.observe("never-agrees", k, 0, draft, k + 1, None)
+        overhead = 0.2e-3 + (stall if stalled == "after the forward" else 0.0)
+        controller.observe_step("never-agrees" if k else None, 1, draft + verify + overhead, draft + verify)
+    assert chosen[0] > 0 and chosen[1:].count(0) >= 180  # drafted first, then plain
+    assert chosen[1:].count(1) >= 3  # and probed: after 8 plain steps, 16, 32 ...
+
+
 def test_recovers_when_the_drafter_starts_to_agree_again():
     controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=4))
     run_steps(controller, 40, 0.0, 0.02, lambda n: 0.2)
@@ -373,6 +396,17 @@ def test_seeded_costs_decide_the_first_step():
     cheap = AdaptiveController(ControllerSettings(k_max=8))  # the same pass on a target whose verify is flat
     cheap.seed({1: 0.03, 2: 0.031, 4: 0.033, 8: 0.04}, {"draft-model": 0.004}, catch_up_per_token=0.001)
     assert cheap.choose_k(source="draft-model") >= 2
+
+
+def test_a_draft_measured_cheaper_than_its_seed_is_probed_again():
+    """The verdict that ends probing prices a draft position at the least it was timed or measured: the draft model
+    timed too dear to pay before any step (as above), then measured at an eighth of that while its drafts failed,
+    is probed, and so would be noticed when it agrees again."""
+    controller = AdaptiveController(ControllerSettings(k_max=8, probe_every=8))
+    controller.seed({1: 0.074, 2: 0.117, 4: 0.2, 8: 0.36}, {"draft-model": 0.031}, catch_up_per_token=0.012)
+    for _ in range(10):
+        controller.observe("draft-model", 2, 0, 2 * 0.004, 3, None)
+    assert 0 < [controller.choose_k(source="draft-model") for _ in range(300)].count(1) < 10
 
 
 def test_a_draft_forward_over_more_rows_than_measured_costs_as_the_targets_grows():

@@ -29,6 +29,8 @@ class SourceAverages:
     prior: float  # the first position's acceptance before any step
     prior_steps: float  # what a position's prior weighs, in steps (ControllerSettings.prior_steps)
     draft_cost: dict[int, float] = field(default_factory=dict)  # batch size -> seconds per draft position
+    # batch size -> the least seconds per draft position timed before any step (CostModel.seed) or measured since
+    least_draft_cost: dict[int, float] = field(default_factory=dict)
     name: str | None = None  # the source these are of (its whole steps' overhead, see CostModel.step_overhead)
 
     @classmethod

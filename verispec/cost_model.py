@@ -182,7 +182,7 @@ class CostModel:
             self.seeded.setdefault(tokens, seconds)
         for source, seconds in (draft_cost or {}).items():
             if not self._source(source).draft_cost:
-                self._source(source).draft_cost[1] = seconds
+                self._source(source).draft_cost[1] = self._source(source).least_draft_cost[1] = seconds
                 self.seeded_drafts.add(source)
         if self.catch_up_per_token is None:
             self.catch_up_per_token = catch_up_per_token
@@ -219,7 +219,7 @@ class CostModel:
             if self.verify_cost.get(tokens) == seconds:
                 self.verify_cost[tokens] = seconds * ratio
         for source in self.seeded_drafts:
-            del self.sources[source].draft_cost[1]
+            del self.sources[source].draft_cost[1], self.sources[source].least_draft_cost[1]
         self.seeded_drafts.clear()
         if self.seeded_catch_up:
             self.catch_up_per_token, self.seeded_catch_up = None, False
@@ -234,6 +234,8 @@ class CostModel:
         averages.draft_cost[batch_size] = moving_average(
             averages.draft_cost.get(batch_size), per_position, w / max(batch_size, 1)
         )
+        if batch_size in averages.least_draft_cost:
+            averages.least_draft_cost[batch_size] = min(averages.least_draft_cost[batch_size], per_position)
 
     def observe_step(self, source: str | None, batch_size: int, seconds: float, priced_seconds: float) -> None:
         """Record a whole step of `batch_size` sequences in which only `source` drafted (None: a plain step):

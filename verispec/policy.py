@@ -152,13 +152,16 @@ class AdaptiveController(CostModel):
             self.probe_backoff = min(2 * self.probe_backoff, self.settings.max_probe_backoff)
 
     def could_pay(self, averages: SourceAverages, batch_size: int, drafting_rows: int | None = None) -> bool:
-        """Whether drafting would beat plain decoding here by min_gain if every draft were accepted; where not (a
-        batch so large that verifying extra tokens costs more than they can bring; a draft model and a verify pass
-        that cost what the accepted tokens save), plain decoding is chosen on cost alone and no probe comes, because
-        a probe could only confirm it."""
+        """Whether drafting would beat plain decoding here by min_gain at best: every draft accepted, a draft position
+        at the least it was timed before any step or measured since (never timed: free) and a step's overhead at a
+        plain step's. Where not (a batch so large that verifying extra tokens costs more than they can bring; a draft
+        model and a verify pass that cost what the accepted tokens save), plain decoding is chosen on cost alone and
+        no probe comes, because a probe could only confirm it. At best, because this verdict ends probing and only
+        drafting steps measure a source's draft position and overhead: one slow first drafting step (a busy machine),
+        averaged in and never measured again, would else end it for good."""
         k_max = self.settings.k_max
-        perfect = SourceAverages.start(k_max, 1.0, averages.prior_steps, averages.name)
-        perfect.draft_cost = averages.draft_cost
+        perfect = SourceAverages.start(k_max, 1.0, averages.prior_steps)  # no name: a plain step's overhead
+        perfect.draft_cost = averages.least_draft_cost
         plain = self.expected_rate(0, perfect, batch_size)
         rates = [self.expected_rate(k, perfect, batch_size, drafting_rows) or 0.0 for k in range(1, k_max + 1)]
         return max(rates) > (1 + self.settings.min_gain) * (plain or 0.0)
