@@ -255,11 +255,15 @@ def chain_batch(rows: list[dict], windows: list[tuple[int, int, int]], arm: str,
     return batch
 
 
-def ttt_losses(head: DraftHead, arm: str, batch: dict, depth: int, index: torch.Tensor):
+def ttt_losses(head: DraftHead, arm: str, batch: dict, depth: int, index: torch.Tensor, noise: float = 0.0):
     """Cross-entropy at each training-time-test step (EAGLE-3 / HASS): step 0 over the batch's step-0 features,
     step j > 0 over the head's own step j-1 outputs, the true token x_{t+1+j}, rotary position t + j, attending to
-    step 0's keys causally and to steps 1..j's keys at the same t. Returns per-step (loss, top-1 hits, counted)."""
+    step 0's keys causally and to steps 1..j's keys at the same t. Returns per-step (loss, top-1 hits, counted).
+    noise: uniform noise of +-noise added to the step-0 features (normalized: about 1 an element), as EAGLE-1
+    trains against a head that memorizes its training answers."""
     g = step0_features(head, arm, batch)  # (B, T, C)
+    if noise:
+        g = g + torch.empty_like(g).uniform_(-noise, noise)
     B, T, _ = g.shape
     valid = torch.arange(T)[None, :] < batch["lengths"][:, None]  # (B, T) real input positions
     positions = torch.arange(T)
@@ -344,7 +348,7 @@ def cmd_train(args) -> None:
                     "steps": step, "positions": seen, "real_positions": real_seen, "epochs": epoch,
                     "passes": real_seen / tokens, "minutes": args.minutes, "train_positions": tokens, "lr": args.lr,
                     "batch": args.batch, "threads": args.threads, "sets": names, "last_50_steps_top1_by_step": top1,
-                    "init": args.init, "intermediate": head.down.weight.shape[1],
+                    "feature_noise": args.feature_noise, "init": args.init, "intermediate": head.down.weight.shape[1],
                     "final": final, "elapsed_minutes": (time.perf_counter() - started) / 60},
                    work / f"{args.tag or args.arm}.pt")
     while time.perf_counter() < deadline:
@@ -373,7 +377,7 @@ def cmd_train(args) -> None:
                     positions, real_positions = labels.numel(), int(real.sum())
                 else:
                     batch = chain_batch(rows, [windows[i] for i in chosen], args.arm, depth)
-                    results = ttt_losses(head, args.arm, batch, depth, index)
+                    results = ttt_losses(head, args.arm, batch, depth, index, args.feature_noise)
                     loss = sum(args.step_decay**j * r[0] for j, r in enumerate(results))  # EAGLE-3: 0.8 ** j
                     steps = [(float(r[0].detach()), r[1], r[2]) for r in results]
                     positions = len(chosen) * int(batch["lengths"].max())  # padded, as study counts
@@ -565,6 +569,8 @@ def main() -> None:
     train.add_argument("--ce-weight", type=float, default=0.1, help="baseline: study.py's CE weight")
     train.add_argument("--sets", nargs="*", default=None, help="default: every train-* in --work")
     train.add_argument("--step-decay", type=float, default=0.8, help="TTT step j's loss weight: this ** j")
+    train.add_argument("--feature-noise", type=float, default=0.0, metavar="A",
+                       help="TTT arms: uniform noise of +-A on the step-0 features (EAGLE-1's regularizer; 0: none)")
     train.add_argument("--save-every", type=float, default=20, metavar="MINUTES",
                        help="save the head so far this often (0: only at the end)")
     train.add_argument("--init", default=None, metavar="HEAD_FILE",
