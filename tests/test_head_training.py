@@ -53,6 +53,32 @@ def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_tra
     assert warm.fuse.weight.grad[:, :-width].abs().sum() > 0  # the layers the file's head never read get a gradient
 
 
+def test_feature_noise_moves_only_the_step0_features_and_within_its_bound(fused, target, tmp_path, monkeypatch):
+    """fused.py train --feature-noise A: uniform noise of +-A on the step-0 features (EAGLE-1's regularizer), none
+    at A = 0."""
+    path = tmp_path / "head.safetensors"
+    save_head(trainable_head(target, seed=3), path, target.name)
+    head = fused.warm_head("last-ttt", target, path)
+    width = target.model.embed.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.model.vocab_size, (2, 12), generator=generator)
+    row = {"ids": ids[0], "argmax": ids[1], "answer_start": 0, "features": torch.randn(12, width, generator=generator)}
+    batch = fused.chain_batch([row], fused.chain_windows([row], depth=2), "last-ttt", depth=2)
+    index = torch.full((target.model.vocab_size,), -100, dtype=torch.long)
+    index[head.vocab] = torch.arange(len(head.vocab))
+    clean = fused.step0_features(head, "last-ttt", batch)
+    fed = []
+    layer_input = head.layer_input
+    monkeypatch.setattr(head, "layer_input", lambda features, next_ids: fed.append(features) or layer_input(
+        features, next_ids))
+    with torch.no_grad():
+        fused.ttt_losses(head, "last-ttt", batch, 2, index)
+        fused.ttt_losses(head, "last-ttt", batch, 2, index, noise=0.1)
+    assert torch.equal(fed[0], clean)  # no noise by default
+    moved = (fed[2] - clean).abs()
+    assert 0 < moved.max() <= 0.1 and moved.mean() > 0.02  # +-0.1, spread over the elements
+
+
 def test_a_fused_head_whose_last_layer_is_not_the_targets_last_is_not_started_from_a_last_layer_head(
         fused, target, tmp_path, monkeypatch):
     monkeypatch.setitem(fused.ARMS, "warm-fused-ttt", ((0, 1, 1), 3, "ce"))
