@@ -53,7 +53,7 @@ def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_tra
     assert warm.fuse.weight.grad[:, :-width].abs().sum() > 0  # the layers the file's head never read get a gradient
 
 
-def test_feature_noise_moves_only_the_step0_features_and_within_its_bound(fused, target, tmp_path, monkeypatch):
+def test_feature_noise_moves_the_step0_features_within_its_bound(fused, target, tmp_path, monkeypatch):
     """fused.py train --feature-noise A: uniform noise of +-A on the step-0 features (EAGLE-1's regularizer), none
     at A = 0."""
     path = tmp_path / "head.safetensors"
