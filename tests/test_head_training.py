@@ -45,8 +45,7 @@ def test_a_fused_head_started_from_a_last_layer_head_drafts_as_it_does_until_tra
     row["high"] = row["features"]
     windows = fused.chain_windows([row], depth=2)
     batch = fused.chain_batch([row], windows, "warm-fused-ttt", depth=2)
-    index = torch.full((target.model.vocab_size,), -100, dtype=torch.long)
-    index[warm.vocab] = torch.arange(len(warm.vocab))
+    index = fused.head_rows(warm.vocab, target.model.vocab_size)
     results = fused.ttt_losses(warm, "warm-fused-ttt", batch, 2, index)
     assert len(results) == 2 and all(counted > 0 for _, _, counted, _ in results)
     sum(loss for loss, *_ in results).backward()
@@ -64,8 +63,7 @@ def test_feature_noise_moves_the_step0_features_within_its_bound(fused, target, 
     ids = torch.randint(0, target.model.vocab_size, (2, 12), generator=generator)
     row = {"ids": ids[0], "argmax": ids[1], "answer_start": 0, "features": torch.randn(12, width, generator=generator)}
     batch = fused.chain_batch([row], fused.chain_windows([row], depth=2), "last-ttt", depth=2)
-    index = torch.full((target.model.vocab_size,), -100, dtype=torch.long)
-    index[head.vocab] = torch.arange(len(head.vocab))
+    index = fused.head_rows(head.vocab, target.model.vocab_size)
     clean = fused.step0_features(head, "last-ttt", batch)
     fed = []
     layer_input = head.layer_input

@@ -181,8 +181,9 @@ class CostModel:
             self.verify_cost.setdefault(tokens, seconds)
             self.seeded.setdefault(tokens, seconds)
         for source, seconds in (draft_cost or {}).items():
-            if not self._source(source).draft_cost:
-                self._source(source).draft_cost[1] = self._source(source).least_draft_cost[1] = seconds
+            averages = self._source(source)
+            if not averages.draft_cost:
+                averages.draft_cost[1] = averages.least_draft_cost[1] = seconds
                 self.seeded_drafts.add(source)
         if self.catch_up_per_token is None:
             self.catch_up_per_token = catch_up_per_token

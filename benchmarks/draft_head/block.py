@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, ChainTally, chains, file_head, head_cost, load_rows, log, padded_batch, predicted_speedups, scheduled_lr,
-    training_pairs, training_sets, verify_forwards_ms,
+    TARGET, ChainTally, chains, file_head, head_cost, head_rows, load_rows, log, padded_batch, predicted_speedups,
+    scheduled_lr, training_pairs, training_sets, verify_forwards_ms,
 )
 
 from verispec.drafters.draft_head import SHIPPED_HEADS, DraftHead, rms  # noqa: E402
@@ -126,8 +126,7 @@ def cmd_train(args) -> None:
     drafter, _ = drafter_from(Path(args.init), dense, args.depth, args.row_input)
     head = drafter.head
     vocab = head.vocab
-    index = torch.full((dense.model.vocab_size,), -100, dtype=torch.long)
-    index[vocab] = torch.arange(len(vocab))
+    index = head_rows(vocab, dense.model.vocab_size)
     names = training_sets(work)
     pairs = training_pairs(load_rows(work, names))
     tokens = sum(len(p[1]) for p in pairs)

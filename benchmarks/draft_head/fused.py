@@ -65,8 +65,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import (  # noqa: E402
-    TARGET, WINDOW, ChainTally, FeatureTap, build_head, head_cost, head_file_training, head_vocab, log, padded_batch,
-    scheduled_lr, time_forward, training_pairs, training_sets, write_head,
+    TARGET, WINDOW, ChainTally, FeatureTap, build_head, head_cost, head_file_training, head_rows, head_vocab, log,
+    padded_batch, scheduled_lr, time_forward, training_pairs, training_sets, write_head,
 )
 
 from verispec.drafters.draft_head import HEAD_WEIGHTS, DraftHead, loaded_tensors, rms  # noqa: E402
@@ -316,8 +316,7 @@ def cmd_train(args) -> None:
     else:
         vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)  # the same rows, the same ids for every arm
         head = make_head(args.arm, loaded, vocab)
-    index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
-    index[vocab] = torch.arange(len(vocab))
+    index = head_rows(vocab, loaded.model.vocab_size)
     del loaded  # the head holds its own copies of the embedding, norm and head rows: 3 GB less (two arms at once)
     gc.collect()
     if loss_kind == "study":

@@ -513,6 +513,14 @@ def head_vocab(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     return vocab_ranking(rows, vocab_size)[:size].sort().values
 
 
+def head_rows(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) each target id's row of the head's output over `vocab`; -100 (cross-entropy's ignored class)
+    for an id the head has no row for."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index
+
+
 def file_head(loaded, path: Path, vocab: torch.Tensor | None = None) -> DraftHead:
     """A last-layer head file (int8 matrices back in float32) as a DraftHead over the dense target `loaded`, over
     its own vocabulary or `vocab`: the head predicts a feature, so any set of the target's output rows drafts."""
@@ -571,8 +579,7 @@ def cmd_train(args) -> None:
         vocab = head_vocab(rows, args.vocab, loaded.model.vocab_size)
         head = build_head(loaded, vocab, args.intermediate)
         earlier_runs = []
-    index = torch.full((loaded.model.vocab_size,), -100, dtype=torch.long)
-    index[vocab] = torch.arange(len(vocab))
+    index = head_rows(vocab, loaded.model.vocab_size)
     pairs = training_pairs(rows)
     tokens = sum(len(p[1]) for p in pairs)
     covered = sum(int((index[p[3]] >= 0).sum()) for p in pairs) / tokens

@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,16 @@ from verispec.serving.scheduler import Scheduler, SchedulerLimits
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+
+
+class Arm(NamedTuple):
+    """One of the two decodings compared."""
+
+    name: str
+    drafting: bool  # the defaults (composite drafter, the head), else plain decoding
+    p_min: float = 0.0  # --draft-p-min
+    head_kernel: bool = True  # the head attends in verispec's kernel where it runs
+    top_p_candidates: int = sampling.TOP_P_CANDIDATES  # top-p ranks this many first (10**9: the whole sort)
 
 
 def closed_loop(
@@ -114,20 +125,16 @@ def main() -> None:
     source = args.workload if args.workload in ("humaneval", "chat") else str(WORKLOADS / f"{args.workload}.jsonl")
     items = load_workload(source, args.limit)
     prompts = [target.encode(render_prompt(target.tokenizer, item)) for item in items] * args.repeat
-    # (name, drafting, p_min, head attention in verispec's kernel where it runs, top-p's candidates): the baseline,
-    # then the one measured against it
-    candidates = sampling.TOP_P_CANDIDATES
-    arms = [("plain", False, 0.0, True, candidates), ("defaults", True, 0.0, True, candidates)]
+    # The baseline, then the one measured against it.
+    arms = [Arm("plain", False), Arm("defaults", True)]
     if args.p_min is not None:
-        arms = [("defaults", True, 0.0, True, candidates),
-                (f"defaults at p-min {args.p_min}", True, args.p_min, True, candidates)]
+        arms = [Arm("defaults", True), Arm(f"defaults at p-min {args.p_min}", True, p_min=args.p_min)]
     if args.torch_head_attention:
-        arms = [("defaults, head attention in torch", True, 0.0, False, candidates),
-                ("defaults", True, 0.0, True, candidates)]
+        arms = [Arm("defaults, head attention in torch", True, head_kernel=False), Arm("defaults", True)]
     if args.top_p is not None:
         drafting = args.top_p_with == "defaults"
-        arms = [(f"{args.top_p_with}, top-p by a whole sort", drafting, 0.0, True, 10**9),
-                (f"{args.top_p_with}, top-p now", drafting, 0.0, True, candidates)]
+        arms = [Arm(f"{args.top_p_with}, top-p by a whole sort", drafting, top_p_candidates=10**9),
+                Arm(f"{args.top_p_with}, top-p now", drafting)]
     compared_as_sampled_defaults = args.top_p is not None and args.top_p_with == "defaults"
     kernel_runs = draft_head.attention_kernel_runs
     figures: dict[str, list[float]] = {name: [] for name, *_ in arms}
