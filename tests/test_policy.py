@@ -618,7 +618,8 @@ def test_rows_left_to_draft_are_kept_only_if_they_still_pay_counting_rows_other_
 
 
 def catching_up() -> AdaptiveController:
-    """A batch of 4 where drafting 2 saves 52 ms a token (0.1 s a token plain, 0.048 s drafting)."""
+    """A batch of 4 where drafting 2 saves 52 ms of the batch's time for each step of its rows (0.1 s a step plain,
+    0.048 s per token drafting): 13 ms for each token of one row, its share."""
     controller = AdaptiveController(ControllerSettings(k_max=4))
     controller.verify_cost = {4: 0.1, 8: 0.11, 12: 0.12, 16: 0.13, 20: 0.14}
     controller.plain_batches.add(4)
@@ -628,23 +629,31 @@ def catching_up() -> AdaptiveController:
     return controller
 
 
-def test_a_catch_up_pays_where_the_saving_over_the_remaining_tokens_covers_it():
+def test_a_catch_up_pays_where_the_rows_share_of_the_saving_over_its_remaining_tokens_covers_it():
     controller = catching_up()
     assert controller.catch_up_pays(100, 100, 2, "draft-model", 4) is None  # no catch-up timed yet
-    controller.catch_up_per_token = 0.03  # 100 tokens behind: 3 s, against 5.2 s saved over 100 tokens
+    controller.catch_up_per_token = 0.0075  # 100 tokens behind: 0.75 s, against 1.3 s saved over 100 tokens
     assert controller.catch_up_pays(100, 100, 2, "draft-model", 4)
-    assert not controller.catch_up_pays(100, 50, 2, "draft-model", 4)  # 2.6 s saved over 50
-    assert not controller.catch_up_pays(100, 100, 2, "draft-model", 4, spent=3.0)  # the saving already spent
+    assert not controller.catch_up_pays(100, 50, 2, "draft-model", 4)  # 0.65 s saved over 50
+    assert not controller.catch_up_pays(100, 100, 2, "draft-model", 4, spent=0.75)  # the saving already spent
 
 
-def test_rows_catching_up_in_one_step_share_one_saving_nearest_first():
+def test_a_catch_up_is_not_paid_for_with_the_whole_batchs_saving():
+    """Each row of 4 catching up on its prompt would be weighed against the saving of all 4 rows' steps (5.2 s over
+    100 tokens), and the batch would pay for its prompts four times over what drafting wins back."""
+    controller = catching_up()
+    controller.catch_up_per_token = 0.02  # 100 tokens behind: 2 s; the batch saves 5.2 s, this row's share 1.3 s
+    assert not controller.catch_up_pays(100, 100, 2, "draft-model", 4)
+
+
+def test_rows_catching_up_in_one_step_are_taken_nearest_first_while_their_shares_cover_them():
     controller = catching_up()
     behind, remaining, ks = [100, 120, 2, 300], [100] * 4, [2] * 4
     # Untimed: only the nearest row far behind catches up (and measures it); a row within the long tail just drafts.
     assert controller.catch_up_rows("draft-model", [True] * 4, behind, remaining, ks, 8) == [True, False, True, False]
-    controller.catch_up_per_token = 0.03
-    assert controller.catch_up_pays(120, 100, 2, "draft-model", 4)  # alone, the second row would pay (3.6 s < 5.2 s)
-    # Together with the first (3 s already spent of the one saving), it does not.
+    controller.catch_up_per_token = 0.0075
+    assert controller.catch_up_pays(120, 100, 2, "draft-model", 4)  # alone, the second row would pay (0.9 s < 1.3 s)
+    # Together with the first (0.75 s already spent), it does not.
     assert controller.catch_up_rows("draft-model", [True] * 4, behind, remaining, ks, 8) == [True, False, True, False]
     assert controller.catch_up_rows("draft-model", [False, True, True, True], behind, remaining, ks, 8) == [
         False, True, True, False]

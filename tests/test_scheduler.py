@@ -131,7 +131,7 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
     assert controller.catch_up_per_token is not None  # timed before the first step (step_costs)
     controller.catch_up_per_token = None
     assert scheduler._worth_catching_up([True] * 4, [2] * 4) == [True, False, False, False]  # unmeasured: one row
-    controller.observe_catch_up(5.0, 100)  # 50 ms a token
+    controller.observe_catch_up(1.0, 100)  # 10 ms a token
     averages = controller._source("draft-model")
     averages.draft_cost = {4: 0.002}
     averages.assume([0.9] * 8, 10)
@@ -143,9 +143,9 @@ def test_a_row_far_behind_drafts_only_where_drafting_wins_its_catch_up_back(targ
 
 
 def test_rows_caught_up_in_one_step_share_one_saving(target):
-    """Each row's catch-up stalls the whole batch, and what drafting saves is the batch's: rows that would each win
-    their catch-up back alone catch up in one step only where the one saving covers them together, nearest first
-    (16 chat rows caught up at once cost 1.3 s, ten plain steps, on an Intel Xeon)."""
+    """Each row's catch-up stalls the whole batch, and a row's saving is its share of the batch's: rows that would
+    each win their catch-up back alone catch up in one step only where each one's share covers the catch-ups so far,
+    nearest first (16 chat rows caught up at once cost 1.3 s, ten plain steps, on an Intel Xeon)."""
     scheduler = Scheduler(target, target.model, "draft-model", k="auto", limits=SchedulerLimits(3, 8, 256))
     for _ in range(3):
         scheduler.submit(target.encode(PROMPTS[1]) * 2, GenerationConfig(max_new_tokens=40))
@@ -158,7 +158,7 @@ def test_rows_caught_up_in_one_step_share_one_saving(target):
     averages.draft_cost = {3: 0.002}
     averages.assume([0.9] * 8, 10)
     controller.verify_cost = {3: 0.1, 9: 0.11}
-    saving = 40 * (1 / controller.expected_rate(0, averages, 3) - 1 / controller.expected_rate(2, averages, 3))
+    saving = 40 * (1 / controller.expected_rate(0, averages, 3) - 1 / controller.expected_rate(2, averages, 3)) / 3
     controller.catch_up_per_token = 0.6 * saving / behind[0]  # one row's catch-up: 60% of the saving
     assert scheduler._worth_catching_up([True] * 3, [2] * 3) == [True, False, False]
     controller.catch_up_per_token = 0.3 * saving / behind[0]  # three: 90%

@@ -238,11 +238,14 @@ class AdaptiveController(CostModel):
     ) -> bool | None:
         """Would drafting k for a sequence `behind` tokens back win its catch-up back over `remaining` tokens?
 
-        The catch-up (a draft-model prefill of what the sequence committed without it) is paid once;
-        what drafting saves is paid per token: the seconds per token of a plain step less those of a
-        k-draft step at this batch size. Both are the whole batch's wall time, so rows caught up in the
-        same step share one saving: `spent` is what the step's other catch-ups already cost. None while a
-        catch-up has not been measured yet.
+        The catch-up (a draft-model prefill of what the sequence committed without it) is paid once, and it stalls
+        the whole batch. What drafting saves is paid per token: the seconds per token of a plain step less those of
+        a k-draft step at this batch size, of which this sequence's tokens take one share in batch_size, because a
+        step's wall time is every row's. Counting the whole batch's saving for each row would pay for every new
+        prompt's catch-up as many times over as the batch has rows (the Zen 5 26/2 costs replayed chat with the
+        draft model at 4 clients at 0.97x plain that way). Rows caught up in the same step stall it together and
+        are taken only while the saving covers them all: `spent` is what the step's other catch-ups already cost.
+        None while a catch-up has not been measured yet.
         """
         if self.catch_up_per_token is None:
             return None
@@ -250,7 +253,7 @@ class AdaptiveController(CostModel):
         plain, drafting = self.expected_rate(0, averages, batch_size), self.expected_rate(k, averages, batch_size)
         if not plain or not drafting:
             return True
-        saving = remaining * (1 / plain - 1 / drafting)
+        saving = remaining * (1 / plain - 1 / drafting) / batch_size
         return saving > spent + behind * self.catch_up_per_token
 
     def catch_up_rows(
@@ -263,9 +266,10 @@ class AdaptiveController(CostModel):
         A row further behind than `long_tail` must first catch up: a new sequence's draft cache is empty, so its
         first draft feeds the whole prompt to the draft model (and after plain steps, what they committed). Alone
         a request wins that back in a few steps; in a batch whose verify pass is compute-bound drafting saves little
-        per token, and 16 prompts fed at once cost seconds. Every catch-up stalls the whole batch and the saving is
-        the batch's, so the rows that catch up in one step share one saving: they are taken nearest first while it
-        covers them all (catch_up_pays). Until a catch-up has been timed, only the first such row catches up.
+        per token, and 16 prompts fed at once cost seconds. Every catch-up stalls the whole batch, and a row's saving
+        is its share of the batch's (catch_up_pays): the rows that catch up in one step are taken nearest first while
+        each one's share covers its own catch-up and the nearer rows'. Until a catch-up has been timed, only the first
+        such row catches up.
         """
         kept, measuring, spent = list(wanted), False, 0.0
         for row in sorted(range(len(wanted)), key=behind.__getitem__):
