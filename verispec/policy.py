@@ -18,7 +18,8 @@ Around the model, a few rules, each a method below with one sentence of why and 
 - relearn_after_probe: a probe that passed sets the first position back to its prior.
 - recent_source: with no source named, the source of the last few steps decides.
 - still_pays, rows_left_pay: rows that drop out after choose_k leave a verify pass that must still pay.
-- catch_up_pays, catch_up_rows: a draft model far behind catches up only where the batch's saving covers it.
+- catch_up_pays, catch_up_rows: a draft model far behind catches up only where its row's share of the batch's saving
+  covers it.
 - row_acceptance, choose_row_ks: a sequence's own acceptance moves it off its source's; every row drafts one token.
 
 The cost model's rules (a slow forward clipped, stale seeds, a draft over more rows, a step's overhead, a wider
@@ -243,9 +244,9 @@ class AdaptiveController(CostModel):
         a k-draft step at this batch size, of which this sequence's tokens take one share in batch_size, because a
         step's wall time is every row's. Counting the whole batch's saving for each row would pay for every new
         prompt's catch-up as many times over as the batch has rows (the Zen 5 26/2 costs replayed chat with the
-        draft model at 4 clients at 0.97x plain that way). Rows caught up in the same step stall it together and
-        are taken only while the saving covers them all: `spent` is what the step's other catch-ups already cost.
-        None while a catch-up has not been measured yet.
+        draft model at 4 clients at 0.97x plain that way). Rows caught up in the same step stall it together, so a
+        row's share must also cover `spent`, what the step's nearer catch-ups already cost. None while a catch-up
+        has not been measured yet.
         """
         if self.catch_up_per_token is None:
             return None
